@@ -1,0 +1,342 @@
+"""ChunkedKVConfig: every setting of DESIGN.md §3-4 and §10 in one pydantic model.
+
+Settings arrive as ``--additional-config '{"chunked_kv": {...}}'``; read them
+with :meth:`ChunkedKVConfig.from_additional_config`. A bad value raises
+:class:`ChunkedKVConfigError`, whose message is one line naming the field and
+what is allowed, e.g. ``chunked_kv.chunk_size: must be >= 1 (got 0)``.
+
+Presets (``mitigation``) fill ``chunk_size``, ``hop``, ``keep_boundary`` and
+``stagger``; an explicit value contradicting the chosen preset is an error.
+``none`` and ``stagger`` only fill what was left unset (``hop = chunk_size``,
+no boundary retention), so the grid stays settable field by field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+ADDITIONAL_CONFIG_KEY = "chunked_kv"
+
+
+class ChunkedKVConfigError(ValueError):
+    """A bad chunked_kv setting; ``str()`` is one line naming the field."""
+
+    def __init__(self, field: str | None, detail: str):
+        self.field = field
+        self.detail = detail
+        where = ADDITIONAL_CONFIG_KEY if field is None else f"{ADDITIONAL_CONFIG_KEY}.{field}"
+        super().__init__(f"{where}: {detail}")
+
+    @classmethod
+    def from_validation_error(cls, exc: ValidationError, allowed: tuple[str, ...]) -> ChunkedKVConfigError:
+        """The first error of a pydantic ValidationError, as one line."""
+        errors = exc.errors()
+        field, detail = _describe_error(errors[0], allowed)
+        if len(errors) > 1:
+            detail += f" (and {len(errors) - 1} more error(s))"
+        return cls(field, detail)
+
+
+def fail(field: str | None, detail: str) -> PydanticCustomError:
+    """An error raised inside validation that remembers which field it is about."""
+    return PydanticCustomError("chunked_kv", "{detail}", {"field": field, "detail": detail})
+
+
+_CHOICES = {
+    "mitigation": ("none", "boundary", "overlap", "stride2", "stagger"),
+    "pooling": ("mean", "gated", "key_norm"),
+}
+
+
+def _describe_error(err: Mapping[str, Any], allowed: tuple[str, ...]) -> tuple[str | None, str]:
+    """(field, detail) for one pydantic error dict."""
+    kind, loc, ctx = err["type"], err.get("loc", ()), err.get("ctx") or {}
+    if kind == "chunked_kv":
+        return ctx["field"], ctx["detail"]
+    if kind == "extra_forbidden":
+        return None, f"unknown key {loc[0]!r} (allowed: {', '.join(allowed)})"
+    field = str(loc[0]) + "".join(f"[{part}]" for part in loc[1:]) if loc else None
+    if kind == "value_error":  # our field validators put the input in the message
+        return field, str(ctx.get("error", err["msg"]))
+    if kind == "literal_error":
+        detail = "must be one of " + ", ".join(_CHOICES.get(str(loc[0]), ()))
+    elif kind in ("greater_than_equal", "greater_than"):
+        detail = f"must be >= {ctx['ge']}" if "ge" in ctx else f"must be > {ctx['gt']}"
+    elif kind.startswith("int_"):
+        detail = "must be an integer"
+    elif kind.startswith("float_") or kind == "finite_number":
+        detail = "must be a finite number"
+    elif kind.startswith("bool_"):
+        detail = "must be true or false"
+    elif kind.startswith("list_"):
+        detail = "must be a list"
+    else:
+        detail = err["msg"][:1].lower() + err["msg"][1:]
+    return field, f"{detail} (got {err.get('input')!r})"
+
+
+class _ChunkedKVFields(BaseModel):
+    """The fields and their single-field checks, before presets are applied."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
+
+    chunk_size: int = Field(default=4, ge=1)
+    """Tokens pooled into one compressed row."""
+
+    hop: int | None = Field(default=None, ge=1)
+    """Distance between the starts of consecutive chunks; divides chunk_size.
+    None: filled by the mitigation preset (chunk_size unless overlapping)."""
+
+    window: int = Field(default=128, ge=1)
+    """Raw recent tokens every query sees exactly; at least chunk_size."""
+
+    sink_tokens: int = Field(default=0, ge=0)
+    """First tokens of the sequence kept raw forever (0 allowed)."""
+
+    pooling: Literal["mean", "gated", "key_norm"] = "mean"
+    """How a sealed chunk's rows are pooled: uniform weights, fixed per-slot
+    gains (slot_gains), or the softmax of the keys' L2 norms."""
+
+    slot_gains: list[float] | None = None
+    """Per-slot gains for pooling 'gated' (required then, forbidden otherwise):
+    chunk_size non-negative finite numbers with a positive sum; normalised."""
+
+    proportional: bool = True
+    """Add log(n) to the logit of a compressed row standing for n tokens."""
+
+    keep_boundary: bool | None = None
+    """Keep the first and last token of each sealed chunk raw and pool the
+    interior only (needs chunk_size >= 3 and hop == chunk_size).
+    None: filled by the mitigation preset."""
+
+    mitigation: Literal["none", "boundary", "overlap", "stride2", "stagger"] = "none"
+    """Preset: none (hop = chunk_size), boundary (keep_boundary), overlap
+    (hop = chunk_size / 2), stride2 (chunk_size = hop = 2), stagger
+    (stagger = 'heads')."""
+
+    stagger: Literal["none", "heads"] | list[list[int]] = "none"
+    """Per-KV-head grid origins (DESIGN.md §10): 'none' (all 0), 'heads' (KV
+    head h, counted globally, starts at (h mod stagger_groups) * hop /
+    stagger_groups), or an explicit per-layer list of per-KV-head origins,
+    each in [0, hop)."""
+
+    stagger_groups: int = Field(default=2, ge=1)
+    """Number of distinct origins for stagger 'heads'; must divide hop."""
+
+    @field_validator("slot_gains")
+    @classmethod
+    def _check_gains(cls, gains: list[float] | None) -> list[float] | None:
+        if gains is None:
+            return None
+        if not all(math.isfinite(g) and g >= 0 for g in gains):
+            raise ValueError(f"must be non-negative finite numbers (got {gains!r})")
+        if sum(gains) <= 0:
+            raise ValueError(f"must have a positive sum (got {gains!r})")
+        return gains
+
+    @field_validator("stagger", mode="before")
+    @classmethod
+    def _check_stagger_shape(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in ("none", "heads"):
+            return value
+        shape_ok = isinstance(value, list) and len(value) > 0 and all(
+            isinstance(layer, list) and len(layer) > 0
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in layer)
+            for layer in value
+        )
+        if not shape_ok:
+            raise ValueError(
+                "must be 'none', 'heads' or a non-empty list of per-layer, non-empty lists "
+                f"of integer origins (got {value!r})"
+            )
+        return value
+
+
+class ChunkedKVConfig(_ChunkedKVFields):
+    """Chunked KV-cache compression settings (DESIGN.md §2-4, §10) with the
+    preset applied: after validation ``hop`` and ``keep_boundary`` are never None."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, ChunkedKVConfig):
+            return data
+        try:
+            parsed = _ChunkedKVFields.model_validate(data)  # types and bounds only
+        except ValidationError as exc:
+            error = ChunkedKVConfigError.from_validation_error(exc, tuple(_ChunkedKVFields.model_fields))
+            raise fail(error.field, error.detail) from None
+        return {**parsed.model_dump(exclude_unset=True), **_preset_values(parsed)}
+
+    @model_validator(mode="after")
+    def _check(self) -> ChunkedKVConfig:
+        _check_cross_fields(self)
+        return self
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ChunkedKVConfigError.from_validation_error(exc, tuple(type(self).model_fields)) from None
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> ChunkedKVConfig:
+        """The config under the "chunked_kv" key of vLLM's additional_config
+        (no key, or None: all defaults)."""
+        if additional_config is None:
+            additional_config = {}
+        if not isinstance(additional_config, Mapping):
+            raise ChunkedKVConfigError(None, f"additional_config must be a JSON object (got {additional_config!r})")
+        section = additional_config.get(ADDITIONAL_CONFIG_KEY)
+        if section is None:
+            return cls()
+        if not isinstance(section, Mapping):
+            raise ChunkedKVConfigError(None, f"must be a JSON object (got {section!r})")
+        bad_keys = [key for key in section if not isinstance(key, str)]
+        if bad_keys:
+            raise ChunkedKVConfigError(None, f"keys must be strings (got {bad_keys[0]!r})")
+        return cls(**section)
+
+    # ------------------------------------------------------------ derived values
+
+    @property
+    def pooled_slots(self) -> range:
+        """Slots of a chunk pooled into its row (the interior with keep_boundary)."""
+        return range(1, self.chunk_size - 1) if self.keep_boundary else range(self.chunk_size)
+
+    @property
+    def log_weight(self) -> float:
+        """Logit bias of a pooled row: log(pooled tokens) if proportional, else 0."""
+        return math.log(len(self.pooled_slots)) if self.proportional else 0.0
+
+    @property
+    def tokens_per_state(self) -> Fraction:
+        """Tokens of the compressed region per stored state (what vLLM's spec
+        declares): chunk_size / 3 with boundary retention (the pooled row and
+        two raw boundary rows per chunk), else hop (one pooled row per hop)."""
+        if self.keep_boundary:
+            return Fraction(self.chunk_size, 3)
+        return Fraction(self.hop)
+
+    @property
+    def rows_per_chunk(self) -> Fraction:
+        """Stored rows per chunk_size tokens (of this config) of the compressed
+        region: 1 (none, stride2), 3 (boundary), chunk_size / hop (overlap)."""
+        return self.chunk_size / self.tokens_per_state
+
+    def normalised_gains(self) -> list[float]:
+        """Fixed pooling weight of each of the chunk_size slots, summing to 1
+        over the pooled slots (0 on kept boundary slots). Not defined for
+        key_norm, whose weights depend on the keys."""
+        if self.pooling == "key_norm":
+            raise ValueError("key_norm pooling has no fixed slot weights")
+        slots = self.pooled_slots
+        raw = self.slot_gains if self.pooling == "gated" else [1.0] * self.chunk_size
+        total = sum(raw[i] for i in slots)
+        return [raw[i] / total if i in slots else 0.0 for i in range(self.chunk_size)]
+
+    def origins(self, layer_idx: int, num_kv_heads_total: int) -> list[int]:
+        """Grid origin of each KV head (global index) of one layer."""
+        if self.stagger == "none":
+            return [0] * num_kv_heads_total
+        if self.stagger == "heads":
+            step = self.hop // self.stagger_groups
+            return [(h % self.stagger_groups) * step for h in range(num_kv_heads_total)]
+        self.check_model(layer_idx + 1, num_kv_heads_total, exact_layers=False)
+        return list(self.stagger[layer_idx])
+
+    def check_model(self, num_layers: int, num_kv_heads_total: int, *, exact_layers: bool = True) -> None:
+        """Raise ChunkedKVConfigError if an explicit stagger list does not fit the model."""
+        if not isinstance(self.stagger, list):
+            return
+        if len(self.stagger) < num_layers or (exact_layers and len(self.stagger) != num_layers):
+            raise ChunkedKVConfigError(
+                "stagger", f"needs one list per layer: the model has {num_layers} (got {len(self.stagger)})"
+            )
+        for layer, heads in enumerate(self.stagger[:num_layers]):
+            if len(heads) != num_kv_heads_total:
+                raise ChunkedKVConfigError(
+                    f"stagger[{layer}]",
+                    f"needs one origin per KV head: the model has {num_kv_heads_total} (got {len(heads)})",
+                )
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-serialisable view of the resolved settings and derived values."""
+        out = self.model_dump()
+        out["tokens_per_state"] = str(self.tokens_per_state)
+        out["rows_per_chunk"] = str(self.rows_per_chunk)
+        out["log_weight"] = self.log_weight
+        return out
+
+
+# -------------------------------------------------------------------- validation
+
+
+def _preset_values(cfg: _ChunkedKVFields) -> dict[str, Any]:
+    """Values the mitigation preset fills in; raise on explicit contradictions."""
+    explicit = {name for name in cfg.model_fields_set if getattr(cfg, name) is not None}
+    chunk_size = cfg.chunk_size
+    wanted: dict[str, Any] = {}
+    if cfg.mitigation == "stride2":
+        wanted = {"chunk_size": 2, "hop": 2, "keep_boundary": False}
+        chunk_size = 2
+    elif cfg.mitigation == "boundary":
+        wanted = {"hop": chunk_size, "keep_boundary": True}
+    elif cfg.mitigation == "overlap":
+        if chunk_size % 2:
+            raise fail("chunk_size", f"mitigation 'overlap' needs an even chunk_size (got {chunk_size})")
+        wanted = {"hop": chunk_size // 2, "keep_boundary": False}
+    elif cfg.mitigation == "stagger" and cfg.stagger == "none":
+        if "stagger" in explicit:
+            raise fail("stagger", "mitigation 'stagger' needs stagger 'heads' or a list of origins (got 'none')")
+        wanted = {"stagger": "heads"}
+    for name, value in wanted.items():
+        if name in explicit and getattr(cfg, name) != value:
+            raise fail(name, f"mitigation {cfg.mitigation!r} sets {name} = {value!r} (got {getattr(cfg, name)!r})")
+    # The baseline for whatever is still unset (every preset agrees on it).
+    if cfg.hop is None and "hop" not in wanted:
+        wanted["hop"] = chunk_size
+    if cfg.keep_boundary is None and "keep_boundary" not in wanted:
+        wanted["keep_boundary"] = False
+    return wanted
+
+
+def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
+    """Checks that need several resolved fields."""
+    chunk_size, hop = cfg.chunk_size, cfg.hop
+    if hop > chunk_size:
+        raise fail("hop", f"must be <= chunk_size {chunk_size} (got {hop})")
+    if chunk_size % hop:
+        raise fail("hop", f"must divide chunk_size {chunk_size} (got {hop})")
+    if cfg.window < chunk_size:
+        raise fail("window", f"must be >= chunk_size {chunk_size} (got {cfg.window})")
+    if cfg.keep_boundary:
+        if chunk_size < 3:
+            raise fail("keep_boundary", f"needs chunk_size >= 3 so a chunk has an interior (got {chunk_size})")
+        if hop != chunk_size:
+            raise fail("keep_boundary", f"needs hop == chunk_size {chunk_size} (got hop {hop})")
+    if cfg.pooling == "gated":
+        if cfg.slot_gains is None:
+            raise fail("slot_gains", f"required for pooling 'gated': a list of {chunk_size} gains")
+        if len(cfg.slot_gains) != chunk_size:
+            raise fail("slot_gains", f"needs exactly chunk_size = {chunk_size} gains (got {len(cfg.slot_gains)})")
+        if sum(cfg.slot_gains[i] for i in cfg.pooled_slots) <= 0:
+            raise fail("slot_gains", f"the pooled (interior) slots need a positive sum (got {cfg.slot_gains})")
+    elif cfg.slot_gains is not None:
+        raise fail("slot_gains", f"only allowed with pooling 'gated' (pooling is {cfg.pooling!r})")
+    if cfg.stagger == "heads":
+        if hop % cfg.stagger_groups:
+            raise fail("stagger_groups", f"must divide hop {hop} for stagger 'heads' (got {cfg.stagger_groups})")
+    elif cfg.stagger_groups != _ChunkedKVFields.model_fields["stagger_groups"].default:
+        raise fail("stagger_groups", f"only used with stagger 'heads' (stagger is {cfg.stagger!r})")
+    if isinstance(cfg.stagger, list):
+        for layer, heads in enumerate(cfg.stagger):
+            bad = [o for o in heads if not 0 <= o < hop]
+            if bad:
+                raise fail(f"stagger[{layer}]", f"origins must be in [0, hop) = [0, {hop}) (got {bad[0]})")
