@@ -1,0 +1,99 @@
+"""Make `--attention-backend chunked_kv` select our backend, on CUDA and CPU.
+
+Three things, all idempotent:
+
+1. add `CHUNKED_KV` to vLLM's `AttentionBackendEnum` (vLLM's registry);
+2. make that dynamically added member picklable: the engine process is
+   spawned and unpickles the config before it has loaded plugins, so the
+   member reduces to a call that registers the plugin and looks it up by name;
+3. validate `--additional-config '{"chunked_kv": ...}'` when vLLM builds its
+   config, so a bad value stops startup with one line (see `cli_errors`);
+4. on the CPU platform, whose `get_attn_backend_cls` ignores every selection
+   but CPU_ATTN, route an explicit CHUNKED_KV selection to our class. The
+   default selection (nothing asked) stays CPU_ATTN.
+"""
+
+from __future__ import annotations
+
+BACKEND_NAME = "CHUNKED_KV"
+BACKEND_PATH = "vllm_chunked_kv.backend.ChunkedKVBackend"
+
+
+def _lookup_member(name: str):
+    """Unpickle hook: register the plugin in this process, return the member."""
+    register_backend()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name]
+
+
+def _reduce_member(self, protocol=None):
+    return (_lookup_member, (self.name,))
+
+
+def register_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as vllm_register
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        vllm_register(BACKEND_NAME, BACKEND_PATH)
+    member = AttentionBackendEnum[BACKEND_NAME]
+    # Instance attributes win over the Enum class's reducer for this member only.
+    member.__reduce_ex__ = _reduce_member.__get__(member)
+    _route_cpu_selection()
+    _validate_config_at_startup()
+    from vllm_chunked_kv.startup_checks import install_excepthook
+
+    install_excepthook()
+
+
+def _route_cpu_selection() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return  # CUDA honours any selection whose validate_configuration passes
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.get_attn_backend_cls.__func__
+    if getattr(original, "_chunked_kv_routed", False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend is not None and getattr(selected_backend, "name", None) == BACKEND_NAME:
+            from vllm_chunked_kv.backend import ChunkedKVBackend
+
+            reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
+            if reasons:
+                raise ValueError(f"{BACKEND_NAME} cannot serve this model: " + "; ".join(reasons))
+            return BACKEND_PATH
+        return original(cls, selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls._chunked_kv_routed = True  # type: ignore[attr-defined]
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def _selected(vllm_config) -> bool:
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return getattr(backend, "name", None) == BACKEND_NAME
+
+
+def _validate_config_at_startup() -> None:
+    """Check our settings whenever vLLM finishes a VllmConfig (every process)."""
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    original = platform_cls.check_and_update_config.__func__
+    if getattr(original, "_chunked_kv_validates", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(cls, vllm_config)
+        if _selected(vllm_config):
+            from vllm_chunked_kv.config import ChunkedKVConfig
+            from vllm_chunked_kv.startup_checks import check_engine_support
+
+            cfg = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+            check_engine_support(cfg, vllm_config)
+
+    check_and_update_config._chunked_kv_validates = True  # type: ignore[attr-defined]
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)

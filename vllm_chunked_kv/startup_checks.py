@@ -1,0 +1,63 @@
+"""Startup checks: combinations of our settings and vLLM's that cannot work.
+
+Every failure is a `ChunkedKVConfigError` with a one-line message; when it
+reaches the top of a `vllm serve` process, `install_excepthook` prints that
+line instead of a traceback and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from vllm_chunked_kv.config import ChunkedKVConfig, ChunkedKVConfigError
+
+
+def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
+    """Raise ChunkedKVConfigError if vLLM's settings cannot run `cfg`."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and getattr(model_config, "hf_text_config", None) is not None:
+        text = model_config.hf_text_config
+        window = getattr(text, "sliding_window", None)
+        if window and getattr(text, "use_sliding_window", True):
+            raise ChunkedKVConfigError(
+                f"chunked_kv: the model uses its own sliding window ({window} tokens); "
+                "chunked compression supports full-attention decoder models only"
+            )
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    if cache_dtype.startswith("fp8"):
+        raise ChunkedKVConfigError(
+            f"chunked_kv: --kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16)"
+        )
+
+
+def find_config_error(exc: BaseException | None) -> ChunkedKVConfigError | None:
+    """Our error inside `exc`: itself, a cause/context, or inside a pydantic
+    ValidationError (vLLM validates VllmConfig with pydantic, which wraps it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ChunkedKVConfigError):
+            return exc
+        for err in getattr(exc, "errors", lambda: [])() if hasattr(exc, "error_count") else []:
+            inner = (err.get("ctx") or {}).get("error")
+            if isinstance(inner, ChunkedKVConfigError):
+                return inner
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def install_excepthook() -> None:
+    """Print a ChunkedKVConfigError as one line (no traceback) and exit 1."""
+    previous = sys.excepthook
+    if getattr(previous, "_chunked_kv", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        cause = find_config_error(exc)
+        if cause is None:
+            return previous(exc_type, exc, tb)
+        print(f"error: {cause}", file=sys.stderr)
+        sys.stderr.flush()
+
+    hook._chunked_kv = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -1,0 +1,1 @@
+"""Helpers for tests and examples: tiny models built locally, no model hub."""

@@ -1,0 +1,122 @@
+"""Tiny random-weight decoder models, built locally for tests (no model hub).
+
+Two architectures are built, both small enough to load in a second:
+
+- `tiny-llama`: LlamaForCausalLM, 2 layers, 4 query heads, 2 KV heads (GQA 2).
+- `tiny-qwen`:  Qwen2ForCausalLM, 2 layers, 8 query heads, 2 KV heads (GQA 4),
+  with q/k/v biases as Qwen2 has them.
+
+Both use a word-level tokenizer (one token per whitespace-separated word) and
+a chat template, so `/v1/completions` and `/v1/chat/completions` both work.
+Weights are drawn with a large init scale so that greedy decoding has clear
+logit margins: token-identical comparisons between backends then test the
+attention math, not float rounding.
+
+    vllm-chunked-kv build-test-models --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+NUM_WORDS = 250
+SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+ARCHS: dict[str, dict] = {
+    "tiny-llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", num_attention_heads=4,
+        num_key_value_heads=2, hidden_size=128, intermediate_size=256,
+    ),
+    "tiny-qwen": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_attention_heads=8,
+        num_key_value_heads=2, hidden_size=256, intermediate_size=384, use_sliding_window=False,
+    ),
+}
+
+
+def vocabulary() -> list[str]:
+    """Special tokens, chat-template words, then `w0 .. w{NUM_WORDS-1}`."""
+    return SPECIALS + ["user", "assistant", "system", ":", "?", "."] + [f"w{i}" for i in range(NUM_WORDS)]
+
+
+def save_word_tokenizer(path: Path, vocab: list[str], chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Save a word-level fast tokenizer that prepends <bos>, loadable offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    ids = {word: i for i, word in enumerate(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", ids["<bos>"])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    # transformers 5 records its generic backend class name, which older
+    # loaders (and vLLM's tokenizer probe) cannot resolve: name the fast class.
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def build_model(name: str, path: str | Path, *, seed: int = 0, init_std: float = 0.25) -> Path:
+    """Build (or reuse) the tiny model `name` under `path`; returns the directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = vocabulary()
+    arch = dict(ARCHS[name])
+    model_type = arch.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(vocab), num_hidden_layers=2, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=vocab.index("<bos>"),
+        eos_token_id=vocab.index("<eos>"), pad_token_id=vocab.index("<pad>"), torch_dtype="float32",
+        initializer_range=init_std, **arch,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, init_std)  # Qwen2 q/k/v biases: make them matter
+    model.save_pretrained(str(path))
+    save_word_tokenizer(path, vocab)
+    return path
+
+
+def build_tiny_llama(path: str | Path) -> Path:
+    return build_model("tiny-llama", path)
+
+
+def build_tiny_qwen(path: str | Path) -> Path:
+    return build_model("tiny-qwen", path, seed=1)
+
+
+def random_prompt(rng, num_words: int) -> str:
+    """A prompt of `num_words` random vocabulary words (one token each)."""
+    return " ".join(f"w{rng.randrange(NUM_WORDS)}" for _ in range(num_words))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/test-models", help="directory to build the models under")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ARCHS:
+        print(build_model(name, Path(args.out) / name))
+    return 0
