@@ -1,0 +1,86 @@
+"""`vllm-chunked-kv scan`: find the weak phases of any OpenAI-compatible endpoint.
+
+    vllm-chunked-kv scan --base-url http://127.0.0.1:8000 [--model NAME] [--probe both]
+        [--task kv | --task FILE.jsonl] [--hop 4] [--out runs/scan] [--json] [--feedback]
+
+Writes run.json, records.jsonl, records.csv, summary.json and scan.png under
+--out; re-running the same command resumes where a failed run stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from vllm_chunked_kv.scan.errors import ScanError
+
+EPILOG = """\
+units: tokens when the server has vLLM's /tokenize (prompts are then sent as
+token ids), characters otherwise. Exit status: 0 done, 1 error (one line on
+stderr), 130 interrupted; answers already received are kept for a re-run.
+"""
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
+    return lo, hi
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add = parser.add_argument
+    add("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL (default: %(default)s)")
+    add("--model", help="served model name (default: the only model the server lists)")
+    add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
+    add("--probe", choices=["offset", "needle", "both"], default="both", help="which probe to run (default: both)")
+    add("--task", default="kv", help="'kv' (the synthetic key-value task) or a JSONL file of your own tasks")
+    add("--hop", type=int, default=4, help="phase = position mod hop (default: %(default)s)")
+    add("--offsets", type=int, help="offset probe: offsets 0..N-1 (default: 2*hop)")
+    add("--prompts", type=int, default=128, help="offset probe: prompts per offset (default: %(default)s)")
+    add("--per-phase", type=int, default=256, help="needle probe: prompts per phase, a multiple of hop (default: %(default)s)")
+    add("--target-position", type=int, help="offset probe: target position at offset 0 (default: mid-haystack for kv)")
+    add("--needle-range", type=_range, metavar="LO:HI", help="needle probe: target positions (default: the whole haystack)")
+    add("--kv-haystack-len", type=int, default=240, help="kv task: haystack words (default: %(default)s)")
+    add("--kv-records", type=int, default=48, help="kv task: records in the haystack (default: %(default)s)")
+    add("--max-tokens", type=int, help="tokens to generate (default: 1 for kv, 16 for JSONL tasks)")
+    add("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    add("--seed", type=int, default=0, help="seed of the prompts (and of sampling when temperature > 0)")
+    add("--units", choices=["auto", "tokens", "chars"], default="auto", help="filler and position units (default: auto)")
+    add("--concurrency", type=int, default=16, help="requests in flight (default: %(default)s)")
+    add("--timeout", type=float, default=60.0, help="seconds per request (default: %(default)s)")
+    add("--retries", type=int, default=4, help="retries per request, exponential backoff (default: %(default)s)")
+    add("--backoff", type=float, default=0.5, help="first retry delay in seconds, doubled each time (default: %(default)s)")
+    add("--out", default="runs/scan", help="directory for records, summary and plot (default: %(default)s)")
+    add("--fresh", action="store_true", help="discard earlier records in --out instead of resuming")
+    add("--feedback", action="store_true", help="post each outcome to POST /v1/chunked_kv/feedback")
+    add("--json", action="store_true", help="print the summary as JSON on stdout")
+    add("--no-plot", action="store_true", help="do not write scan.png")
+    add("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_chunked_kv.scan.session import scan
+
+    try:
+        summary = asyncio.run(scan(args))
+    except ScanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: answers so far are in {args.out}; re-run to resume", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        from vllm_chunked_kv.scan.report import format_text
+
+        print(format_text(summary["results"], summary["hop"]))
+        print(f"files: {', '.join(summary['files'].values())}")
+    return 0
