@@ -1,0 +1,53 @@
+"""Run greedy generation in a fresh in-process vLLM engine; print JSON.
+
+Each configuration gets its own interpreter (vLLM keeps global state per
+process), started by `generate()`:
+
+    outputs = generate(model_dir, {"attention_backend": "chunked_kv"}, [[ids, ids], [ids]])
+
+`rounds` are submitted one after another to the same engine, so a later
+round hits the prefix cache filled by an earlier one; the prompts of one
+round run concurrently. Returns the generated token ids per round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="float32", max_model_len=1024,
+                       kv_cache_memory_bytes=64 << 20, seed=0)
+
+
+def generate(model: str, engine_kwargs: dict, rounds: list[list[list[int]]], max_tokens: int = 8,
+             timeout: float = 600) -> list[list[list[int]]]:
+    spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
+            "max_tokens": max_tokens}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec), capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    result["log"] = proc.stdout + proc.stderr  # vLLM logs to stdout
+    return result
+
+
+def _main() -> None:
+    spec = json.loads(sys.stdin.read())
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(spec["model"], **spec["engine"])
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    outputs = []
+    for prompts in spec["rounds"]:
+        results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        outputs.append([list(r.outputs[0].token_ids) for r in results])
+    print(json.dumps({"outputs": outputs}), flush=True)
+
+
+if __name__ == "__main__":
+    _main()

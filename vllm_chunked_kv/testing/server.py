@@ -1,0 +1,110 @@
+"""Start and stop a real `vllm serve` subprocess on 127.0.0.1.
+
+The server runs in its own process group and is stopped by PID (the whole
+group, so the spawned engine goes too). Its log is kept in a file so tests
+can read what the server itself said.
+
+    with VllmServer(model_dir, ["--attention-backend", "chunked_kv"]) as server:
+        client = server.openai_client()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Small, CPU-friendly defaults: no compile, a fixed KV budget (the CPU
+# platform otherwise reserves a fraction of a NUMA node's memory).
+DEFAULT_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+                "--kv-cache-memory-bytes", str(64 << 20)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The `vllm` command next to this interpreter (the project's venv)."""
+    candidate = Path(sys.executable).with_name("vllm")
+    return str(candidate) if candidate.exists() else "vllm"
+
+
+class VllmServer:
+    """`vllm serve MODEL ARGS` on a free 127.0.0.1 port, as a context manager."""
+
+    def __init__(self, model: str | Path, args: list[str] = (), *, env: dict[str, str] | None = None,
+                 defaults: list[str] = DEFAULT_ARGS, timeout: float = 240.0):
+        self.model = str(model)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = [vllm_executable(), "serve", self.model, "--host", "127.0.0.1",
+                        "--port", str(self.port), *defaults, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.timeout = timeout
+        self.log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> VllmServer:
+        import httpx
+
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vllm serve not ready after {self.timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def openai_client(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_serve_expecting_failure(model: str | Path, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `vllm serve` that should fail at startup; returns the finished process."""
+    command = [vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
+               *DEFAULT_ARGS, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, start_new_session=True)
