@@ -14,15 +14,25 @@ the seed and the prompt's tokens (so a prompt always gets the same answer).
 Failure switches for the tests: `fail_first` (the first N completion
 requests get HTTP 500), `fail_after` (every completion after N successful
 ones gets HTTP 500, until reset), `tokenize=False` (no /tokenize route),
-`feedback=False` (no feedback route).
+`feedback=False` (no feedback route); `delay_s` slows each completion so
+that the tests can see how many requests overlap (`max_in_flight`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def free_port() -> int:
+    """A 127.0.0.1 port nothing listens on (for the unreachable-server tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class FakeEndpoint:
@@ -36,6 +46,7 @@ class FakeEndpoint:
         feedback: bool = True,
         fail_first: int = 0,
         fail_after: int | None = None,
+        delay_s: float = 0.0,
     ):
         self.accuracy = accuracy
         self.seed = seed
@@ -44,6 +55,9 @@ class FakeEndpoint:
         self.feedback_enabled = feedback
         self.fail_first = fail_first
         self.fail_after = fail_after
+        self.delay_s = delay_s  # per completion, to make concurrent requests overlap
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.lock = threading.Lock()
         self.vocab: dict[str, int] = {"<pad>": 0, "<bos>": 1}
         self.words: list[str] = ["<pad>", "<bos>"]
@@ -69,7 +83,7 @@ class FakeEndpoint:
             fake = endpoint
 
         self._server = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self.base_url
 
     def stop(self) -> None:
@@ -111,6 +125,9 @@ class FakeEndpoint:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the default backlog of 5 resets bursts of concurrent connections
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that cancels in-flight requests breaks pipes; nothing to report
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -157,6 +174,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def _complete(self, body: dict) -> None:
+        fake = self.fake
+        with fake.lock:
+            fake.in_flight += 1
+            fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+        try:
+            time.sleep(fake.delay_s)
+            self._answer(body)
+        finally:
+            with fake.lock:
+                fake.in_flight -= 1
+
+    def _answer(self, body: dict) -> None:
         fake = self.fake
         with fake.lock:
             fake.completion_requests += 1
