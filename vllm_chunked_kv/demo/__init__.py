@@ -1,0 +1,1 @@
+"""The demo: a tiny retrieval model trained on CPU, its tokenizer, training, evaluation and command."""

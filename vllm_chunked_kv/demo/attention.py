@@ -1,0 +1,81 @@
+"""Chunked attention inside transformers' Llama, for training and evaluating the demo model.
+
+Registers an attention function named `chunked_kv` with transformers'
+`AttentionInterface`. The compression itself is the reference's
+(`ops.reference.extended_kv`: the pooled rows and the additive mask of
+DESIGN.md §3-4, §10); this module only batches it: the batch is folded into
+the KV-head axis, which the reference treats independently, and one softmax
+runs over the extended key set. Gradients flow through the pooling, so the
+same function trains the model under compression.
+
+Sequences must be unpadded and start at position 0 (true for the demo's
+training batches and its equal-length evaluation batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops.reference import extended_kv
+
+ATTN_NAME = "chunked_kv"
+_CONFIG_ATTR = "chunked_kv_config"
+
+
+def chunked_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-function signature: query [b, H, T, D], key/value [b, Hkv, T, D]."""
+    cfg: ChunkedKVConfig = getattr(module, _CONFIG_ATTR)
+    batch, num_heads, seq_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    origins = cfg.origins(module.layer_idx, num_kv_heads) * batch  # one per folded (batch, head)
+    folded_k = key.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, head_dim)  # [T, b*Hkv, D]
+    folded_v = value.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, -1)  # [T, b*Hkv, Dv]
+    ext = extended_kv(folded_k, folded_v, cfg, origins)
+    ext_len = ext.keys.shape[0]  # T + N
+    keys = ext.keys.view(ext_len, batch, num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [b, Hkv, T+N, D]
+    values = ext.values.view(ext_len, batch, num_kv_heads, -1).permute(1, 2, 0, 3)  # [b, Hkv, T+N, Dv]
+    bias = ext.bias.view(seq_len, batch, num_kv_heads, ext_len).permute(1, 2, 0, 3)  # [b, Hkv, T, T+N]
+    grouped_q = query.float().view(batch, num_kv_heads, group, seq_len, head_dim)  # [b, Hkv, G, T, D]
+    logits = torch.matmul(grouped_q, keys.unsqueeze(2).transpose(-1, -2)) * scaling  # [b, Hkv, G, T, T+N]
+    probs = (logits + bias.unsqueeze(2)).softmax(dim=-1)  # [b, Hkv, G, T, T+N]
+    out = torch.matmul(probs, values.unsqueeze(2))  # [b, Hkv, G, T, Dv]
+    out = out.reshape(batch, num_heads, seq_len, -1).transpose(1, 2)  # [b, T, H, Dv]
+    return out.to(query.dtype).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, chunked_attention_forward)
+
+
+@contextlib.contextmanager
+def chunked_attention(model, cfg: ChunkedKVConfig | None) -> Iterator[None]:
+    """Run `model` (a transformers Llama) with chunked attention `cfg` inside
+    the block; None means full attention (eager)."""
+    previous = model.config._attn_implementation
+    if cfg is None:
+        model.set_attn_implementation("eager")
+    else:
+        _register()
+        for layer in model.model.layers:
+            setattr(layer.self_attn, _CONFIG_ATTR, cfg)
+        model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
