@@ -156,8 +156,25 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self.kv_sharing_target_layer_name = None
         from vllm_chunked_kv.config import ChunkedKVConfig
 
-        self.config = ChunkedKVConfig.from_additional_config(get_current_vllm_config().additional_config)
+        vllm_config = get_current_vllm_config()
+        self.config = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+        self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self._origins_cache: torch.Tensor | None = None
         logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
+
+    def _origins(self, layer, device) -> torch.Tensor:
+        """Grid origin of each local KV head (global head index under TP)."""
+        if self._origins_cache is None:
+            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            layer_idx = extract_layer_index(layer.layer_name)
+            first = get_tensor_model_parallel_rank() * self.num_kv_heads
+            total = self._total_kv_heads
+            all_origins = self.config.origins(layer_idx, total)
+            local = [all_origins[(first + h) % total] for h in range(self.num_kv_heads)]
+            self._origins_cache = torch.tensor(local, dtype=torch.long, device=device)
+        return self._origins_cache
 
     def forward(
         self,
@@ -180,6 +197,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         key = key[:n].view(n, self.num_kv_heads, self.head_size)  # [n, Hkv, D]
         value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
         paged.write_tokens(kv_cache, key, value, attn_metadata.slot_mapping)
-        out = paged.attend(query, kv_cache, attn_metadata.batch, self.scale)  # [n, Hq, Dv]
+        origins = self._origins(layer, query.device)
+        out = paged.attend(query, kv_cache, attn_metadata.batch, self.scale, self.config, origins)  # [n, Hq, Dv]
         output[:n].view_as(out).copy_(out)
         return output

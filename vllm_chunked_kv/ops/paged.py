@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import reference
+
 
 @dataclass
 class PagedBatch:
@@ -68,23 +71,48 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int) 
     return rows[:, :, :num_rows]
 
 
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Exact causal attention of every query token over its request's rows.
+def attend(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
+           cfg: ChunkedKVConfig | None = None, origins: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every query token over its request's stored rows.
 
     query: [n, Hq, D] -> [n, Hq, Dv]; fp32 math, output in the query dtype.
+    Without `cfg`, exact causal attention. With `cfg`, DESIGN.md §3 chunked
+    attention (pooled rows built from the stored raw rows), for requests
+    that have anything sealed; the others take the exact path.
     """
     n, num_heads, head_size = query.shape
     head_size_v = kv_cache.shape[-1] - head_size
     out = query.new_empty(n, num_heads, head_size_v)
-    if len(batch.decode_reqs):
-        _attend_decodes(query, kv_cache, batch, scale, out)
-    for r in batch.prefill_reqs:
-        _attend_prefill(query, kv_cache, batch, r, scale, out)
+    compressed = set()
+    if cfg is not None:
+        first_seal = cfg.window + int(origins.min()) + cfg.chunk_size - 1  # earliest query position with a seal
+        compressed = {r for r, length in enumerate(batch.seq_lens) if length - 1 >= first_seal}
+    decodes = [r for r in batch.decode_reqs.tolist() if r not in compressed]
+    if decodes:
+        _attend_decodes(query, kv_cache, batch, decodes, scale, out)
+    for r in batch.prefill_reqs + sorted(compressed):
+        if r in compressed:
+            _attend_chunked(query, kv_cache, batch, r, scale, cfg, origins, out)
+        else:
+            _attend_prefill(query, kv_cache, batch, r, scale, out)
     return out
 
 
-def _attend_decodes(query, kv_cache, batch: PagedBatch, scale: float, out: torch.Tensor) -> None:
-    reqs = batch.decode_reqs
+def _attend_chunked(query, kv_cache, batch: PagedBatch, r: int, scale: float, cfg: ChunkedKVConfig,
+                    origins: torch.Tensor, out: torch.Tensor) -> None:
+    start, end = batch.query_start[r], batch.query_start[r + 1]
+    seq_len = batch.seq_lens[r]
+    rows = gather_rows(kv_cache, batch.block_table[r : r + 1], seq_len)[0]  # [Hkv, S, C]
+    head_size = query.shape[-1]
+    keys = rows[..., :head_size].transpose(0, 1)  # [S, Hkv, D]
+    values = rows[..., head_size:].transpose(0, 1)  # [S, Hkv, Dv]
+    positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)  # [L]
+    ext = reference.extended_kv(keys, values, cfg, origins, positions)
+    out[start:end] = reference.attend_extended(query[start:end], ext, scale).to(out.dtype)
+
+
+def _attend_decodes(query, kv_cache, batch: PagedBatch, decodes: list[int], scale: float, out: torch.Tensor) -> None:
+    reqs = torch.tensor(decodes, dtype=torch.long, device=query.device)  # [Rd]
     starts = torch.tensor(batch.query_start, device=query.device)[reqs]  # [Rd]
     lens = torch.tensor(batch.seq_lens, device=query.device)[reqs]  # [Rd]
     max_len = int(lens.max())

@@ -123,14 +123,17 @@ def num_chunks(seq_len: int, cfg: ChunkedKVConfig, origins: torch.Tensor) -> int
 
 
 def visibility(
-    seq_len: int, cfg: ChunkedKVConfig, origins: torch.Tensor
+    seq_len: int, cfg: ChunkedKVConfig, origins: torch.Tensor, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible rows of every query on every KV head, as boolean masks
-    ``raw [T, num_kv_heads, T]`` (query, head, key position) and
-    ``rows [T, num_kv_heads, N]`` (query, head, chunk index), N = num_chunks."""
+    ``raw [L, num_kv_heads, T]`` (query, head, key position) and
+    ``rows [L, num_kv_heads, N]`` (query, head, chunk index), N = num_chunks.
+    The queries are at ``positions`` ``[L]`` (default: all T positions)."""
     device = origins.device
     hop, chunk_size = cfg.hop, cfg.chunk_size
-    t = torch.arange(seq_len, device=device).view(-1, 1, 1)  # [T, 1, 1] query position
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    t = positions.view(-1, 1, 1)  # [L, 1, 1] query position
     o = origins.view(1, -1, 1)  # [1, Hkv, 1]
     j = torch.arange(seq_len, device=device).view(1, 1, -1)  # [1, 1, T] key position
     slack = t - cfg.window - (o + chunk_size - 1)  # [T, Hkv, 1]
@@ -159,7 +162,7 @@ class ExtendedKV(NamedTuple):
 
     keys: torch.Tensor  # [T + N, num_kv_heads, head_dim], fp32
     values: torch.Tensor  # [T + N, num_kv_heads, head_dim], fp32
-    bias: torch.Tensor  # [T, num_kv_heads, T + N]: -inf hidden, 0 raw, log_weight on rows
+    bias: torch.Tensor  # [L, num_kv_heads, T + N]: -inf hidden, 0 raw, log_weight on rows (L queries)
 
 
 def extended_kv(
@@ -167,10 +170,12 @@ def extended_kv(
     v: torch.Tensor,
     cfg: ChunkedKVConfig,
     origins: Sequence[int] | torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> ExtendedKV:
     """Build the extended key set of one sequence: k, v ``[T, num_kv_heads,
     head_dim]`` (keys after RoPE). Row ``T + c`` of head ``h`` is chunk ``c``
-    of that head's grid (a padding row, always masked, if it does not fit)."""
+    of that head's grid (a padding row, always masked, if it does not fit).
+    The bias covers queries at ``positions`` ``[L]`` (default: all T)."""
     seq_len, num_kv_heads, head_dim = k.shape
     o = _origins_tensor(origins, num_kv_heads, cfg, k.device)
     n = num_chunks(seq_len, cfg, o)
@@ -186,14 +191,14 @@ def extended_kv(
         row_k = k.new_zeros((n, num_kv_heads, head_dim), dtype=torch.float32)
         row_v = v.new_zeros((n, num_kv_heads, v.shape[-1]), dtype=torch.float32)
         log_weight = k.new_zeros((n, num_kv_heads), dtype=torch.float32)
-    raw, rows = visibility(seq_len, cfg, o)  # [T, Hkv, T], [T, Hkv, N]
+    raw, rows = visibility(seq_len, cfg, o, positions)  # [L, Hkv, T], [L, Hkv, N]
     raw_bias = torch.zeros(raw.shape, dtype=torch.float32, device=k.device).masked_fill(~raw, float("-inf"))
-    row_bias = log_weight.T.unsqueeze(0).expand(rows.shape)  # [N, Hkv] -> [1, Hkv, N] -> [T, Hkv, N]
+    row_bias = log_weight.T.unsqueeze(0).expand(rows.shape)  # [N, Hkv] -> [1, Hkv, N] -> [L, Hkv, N]
     row_bias = row_bias.masked_fill(~rows, float("-inf"))
     return ExtendedKV(
         keys=torch.cat([k.float(), row_k], dim=0),  # [T + N, Hkv, head_dim]
         values=torch.cat([v.float(), row_v], dim=0),  # [T + N, Hkv, head_dim]
-        bias=torch.cat([raw_bias, row_bias], dim=-1),  # [T, Hkv, T + N]
+        bias=torch.cat([raw_bias, row_bias], dim=-1),  # [L, Hkv, T + N]
     )
 
 
@@ -218,12 +223,20 @@ def reference_chunked_attention(
     num_kv_heads = k.shape[1]
     if k.shape != (seq_len, num_kv_heads, head_dim) or v.shape[:2] != k.shape[:2] or num_heads % num_kv_heads:
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    ext = extended_kv(k, v, cfg, origins)
-    grouped_q = q.float().view(seq_len, num_kv_heads, group, head_dim)  # [T, Hkv, G, D]
-    logits = torch.einsum("thgd,shd->hgts", grouped_q, ext.keys) * scale  # [Hkv, G, T, T + N]
-    logits = logits + ext.bias.permute(1, 0, 2).unsqueeze(1)  # bias [T, Hkv, T+N] -> [Hkv, 1, T, T+N]
-    probs = logits.softmax(dim=-1)  # [Hkv, G, T, T + N]
-    out = torch.einsum("hgts,shd->thgd", probs, ext.values)  # [T, Hkv, G, head_dim]
-    return out.reshape(seq_len, num_heads, v.shape[-1]).to(q.dtype)  # [T, num_heads, head_dim]
+    return attend_extended(q, extended_kv(k, v, cfg, origins), scale)
+
+
+def attend_extended(q: torch.Tensor, ext: ExtendedKV, scale: float) -> torch.Tensor:
+    """One softmax of queries ``q [L, num_heads, head_dim]`` over an extended
+    key set whose bias rows belong to those L queries; ``[L, num_heads, Dv]``
+    in q's dtype, fp32 math."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = ext.keys.shape[1]
+    group = num_heads // num_kv_heads
+    grouped_q = q.float().view(num_queries, num_kv_heads, group, head_dim)  # [L, Hkv, G, D]
+    logits = torch.einsum("thgd,shd->hgts", grouped_q, ext.keys) * scale  # [Hkv, G, L, T + N]
+    logits = logits + ext.bias.permute(1, 0, 2).unsqueeze(1)  # bias [L, Hkv, T+N] -> [Hkv, 1, L, T+N]
+    probs = logits.softmax(dim=-1)  # [Hkv, G, L, T + N]
+    out = torch.einsum("hgts,shd->thgd", probs, ext.values)  # [L, Hkv, G, Dv]
+    return out.reshape(num_queries, num_heads, ext.values.shape[-1]).to(q.dtype)  # [L, num_heads, Dv]
