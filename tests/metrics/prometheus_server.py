@@ -1,0 +1,107 @@
+"""A real Prometheus server for tests: docker/prometheus/prometheus.yml and
+rules.yml with the target replaced and the intervals cut to one second."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+DOCKER_PROMETHEUS = Path(__file__).resolve().parents[2] / "docker" / "prometheus"
+INTERVAL = "1s"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PrometheusServer:
+    def __init__(self, binary: str, target: str, workdir: Path):
+        self.binary, self.target, self.workdir = binary, target, Path(workdir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def write_config(self) -> Path:
+        config = yaml.safe_load((DOCKER_PROMETHEUS / "prometheus.yml").read_text())
+        config["global"] = {"scrape_interval": INTERVAL, "evaluation_interval": INTERVAL}
+        (job,) = config["scrape_configs"]
+        job["static_configs"] = [{"targets": [self.target]}]
+        for name in config.get("rule_files", []):
+            shutil.copy(DOCKER_PROMETHEUS / name, self.workdir / name)
+        path = self.workdir / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def start(self) -> PrometheusServer:
+        config = self.write_config()
+        log = (self.workdir / "prometheus.log").open("wb")
+        self.proc = subprocess.Popen(
+            [self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {self.log()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"prometheus not ready: {self.log()[-2000:]}")
+
+    def log(self) -> str:
+        return (self.workdir / "prometheus.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def api(self, path: str, **params) -> dict:
+        """GET /api/v1/<path>; returns the whole JSON answer (status may be "error")."""
+        response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
+        return response.json()
+
+    def query(self, expr: str) -> list[dict]:
+        """Instant query; raises on a PromQL error."""
+        answer = self.api("query", query=expr)
+        if answer.get("status") != "success":
+            raise AssertionError(f"{expr!r}: {answer.get('errorType')}: {answer.get('error')}")
+        return answer["data"]["result"]
+
+    def by_label(self, expr: str, label: str) -> dict[str, float]:
+        return {item["metric"].get(label, ""): float(item["value"][1]) for item in self.query(expr)}
+
+    def wait_for(self, predicate, timeout: float = 30.0, what: str = "condition"):
+        """Poll predicate() until it returns a truthy value; return that value."""
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                value = predicate()
+                if value:
+                    return value
+            except AssertionError as exc:
+                last_error = exc
+            time.sleep(0.5)
+        raise TimeoutError(f"prometheus: {what} not reached in {timeout:.0f}s ({last_error})")
