@@ -15,7 +15,8 @@ Failure switches for the tests: `fail_first` (the first N completion
 requests get HTTP 500), `fail_after` (every completion after N successful
 ones gets HTTP 500, until reset), `tokenize=False` (no /tokenize route),
 `feedback=False` (no feedback route); `delay_s` slows each completion so
-that the tests can see how many requests overlap (`max_in_flight`).
+that the tests can see how many requests overlap (`max_in_flight`);
+`config_hop` adds `GET /v1/chunked_kv/config` reporting that hop.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class FakeEndpoint:
         fail_first: int = 0,
         fail_after: int | None = None,
         delay_s: float = 0.0,
+        config_hop: int | None = None,
     ):
         self.accuracy = accuracy
         self.seed = seed
@@ -55,6 +57,7 @@ class FakeEndpoint:
         self.feedback_enabled = feedback
         self.fail_first = fail_first
         self.fail_after = fail_after
+        self.config_hop = config_hop  # GET /v1/chunked_kv/config answers {"phase_hop": config_hop}
         self.delay_s = delay_s  # per completion, to make concurrent requests overlap
         self.in_flight = 0
         self.max_in_flight = 0
@@ -157,6 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.fake.model, "object": "model"}]})
+        elif self.path == "/v1/chunked_kv/config" and self.fake.config_hop is not None:
+            self._send(200, {"phase_hop": self.fake.config_hop})
         else:
             self._send(404, {"detail": "Not Found"})
 

@@ -74,8 +74,24 @@ def test_text_output_and_character_units(scan):
     with FakeEndpoint(tokenize=False) as fake:
         code, out, err = scan("--base-url", fake.base_url, "--prompts", "4", "--per-phase", "8", json_output=False)
     assert code == 0, err
+    assert "units chars, hop 4 (default)" in out
     assert "offset probe: 32 probes" in out and "needle probe: 32 probes" in out
     assert "dominant period" in out and "worst phase" in out
+
+
+def test_hop_comes_from_the_server_unless_given(scan, tmp_path):
+    with FakeEndpoint(accuracy=(0.9, 0.5), config_hop=2) as fake:
+        code, out, err = scan("--base-url", fake.base_url, "--prompts", "4", "--per-phase", "8")
+        assert code == 0, err
+        summary = summary_of(out)
+        assert (summary["hop"], summary["hop_source"]) == (2, "server")
+        assert [row["offset"] for row in summary["results"]["offset"]["by_offset"]] == [0, 1, 2, 3]
+        code, out, err = scan("--base-url", fake.base_url, "--prompts", "4", "--per-phase", "8", "--hop", "4",
+                              out=tmp_path / "other")
+        assert (summary_of(out)["hop"], summary_of(out)["hop_source"]) == (4, "--hop")
+    with FakeEndpoint() as fake:
+        code, out, err = scan("--base-url", fake.base_url, "--prompts", "4", "--per-phase", "8", out=tmp_path / "third")
+        assert (summary_of(out)["hop"], summary_of(out)["hop_source"]) == (4, "default")
 
 
 def test_resume_after_the_server_fails_midway(scan, tmp_path):

@@ -41,12 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
     add("--probe", choices=["offset", "needle", "both"], default="both", help="which probe to run (default: both)")
     add("--task", default="kv", help="'kv' (the synthetic key-value task) or a JSONL file of your own tasks")
-    add("--hop", type=int, default=4, help="phase = position mod hop (default: %(default)s)")
+    add("--hop", type=int, help="phase = position mod hop (default: the server's, from /v1/chunked_kv/config, else 4)")
     add("--offsets", type=int, help="offset probe: offsets 0..N-1 (default: 2*hop)")
     add("--prompts", type=int, default=128, help="offset probe: prompts per offset (default: %(default)s)")
     add("--per-phase", type=int, default=256, help="needle probe: prompts per phase, a multiple of hop (default: %(default)s)")
     add("--target-position", type=int, help="offset probe: target position at offset 0 (default: mid-haystack for kv)")
-    add("--needle-range", type=_range, metavar="LO:HI", help="needle probe: target positions (default: the whole haystack)")
+    add("--needle-range", type=_range, metavar="LO:HI", help="needle probe: target positions (default for kv: 8 to haystack-40, past sinks, before a raw window)")
     add("--kv-haystack-len", type=int, default=240, help="kv task: haystack words (default: %(default)s)")
     add("--kv-records", type=int, default=48, help="kv task: records in the haystack (default: %(default)s)")
     add("--max-tokens", type=int, help="tokens to generate (default: 1 for kv, 16 for JSONL tasks)")
@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         from vllm_chunked_kv.scan.report import format_text
 
+        print(
+            f"{summary['model']} at {summary['base_url']}: units {summary['units']}, "
+            f"hop {summary['hop']} ({summary['hop_source']})"
+        )
         print(format_text(summary["results"], summary["hop"]))
         print(f"files: {', '.join(summary['files'].values())}")
     return 0

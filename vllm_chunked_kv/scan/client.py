@@ -1,8 +1,9 @@
 """Async client for an OpenAI-compatible completions server (vLLM or any other).
 
 Routes used: `GET /v1/models`, `POST /v1/completions`, and where the server
-has them `POST /tokenize` (vLLM's, at the server root) and
-`POST /v1/chunked_kv/feedback` (this project's feedback route).
+has them `POST /tokenize` (vLLM's, at the server root),
+`GET /v1/chunked_kv/config` and `POST /v1/chunked_kv/feedback` (this
+project's routes).
 
 Every request has a timeout and is retried with exponential backoff (and
 jitter) on connection errors, timeouts, HTTP 408, 429 and 5xx; other HTTP
@@ -173,6 +174,15 @@ class EndpointClient:
             return Completion(answer["choices"][0]["text"], str(answer.get("id", "")), attempts, latency)
         except (KeyError, IndexError, TypeError):
             raise ScanError(f"{self.base_url}/v1/completions: unexpected answer {str(answer)[:100]}") from None
+
+    async def server_hop(self) -> int | None:
+        """`phase_hop` from this project's `GET /v1/chunked_kv/config`, if the server has the route."""
+        try:
+            response = await self._http.get("/v1/chunked_kv/config")
+            hop = response.json().get("phase_hop") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return hop if isinstance(hop, int) and hop >= 1 else None
 
     async def post_feedback(self, request_id: str, correct: bool) -> None:
         """POST the outcome; raises HTTPFailure (404 with detail 'Not Found' = no such route)."""

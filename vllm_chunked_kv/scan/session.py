@@ -16,6 +16,8 @@ from vllm_chunked_kv.scan.report import summarize
 from vllm_chunked_kv.scan.runner import FeedbackPoster, RequestSettings, run_probes
 from vllm_chunked_kv.scan.tasks import KVTask, UserTask
 
+DEFAULT_HOP = 4
+
 
 def make_task(args: argparse.Namespace):
     if args.task == "kv":
@@ -33,19 +35,28 @@ async def _units(client: EndpointClient, model: str, requested: str) -> str:
     return "chars"
 
 
+async def _hop(client: EndpointClient, requested: int | None) -> tuple[int, str]:
+    """--hop, else the hop the server reports (this project's config route), else 4."""
+    if requested is not None:
+        return requested, "--hop"
+    served = await client.server_hop()
+    return (served, "server") if served else (DEFAULT_HOP, "default")
+
+
 async def scan(args: argparse.Namespace) -> dict:
     task = make_task(args)  # a malformed task file fails before any request
     kinds = ["offset", "needle"] if args.probe == "both" else [args.probe]
-    plan = ProbePlan(
-        hop=args.hop, num_offsets=args.offsets or 2 * args.hop, prompts=args.prompts, per_phase=args.per_phase,
-        seed=args.seed, target_position=args.target_position, needle_range=args.needle_range,
-    )
     max_tokens = args.max_tokens or task.default_max_tokens
     async with EndpointClient(
         args.base_url, api_key=args.api_key, timeout_s=args.timeout, retries=args.retries,
         backoff_s=args.backoff, concurrency=args.concurrency,
     ) as client:
         model = await client.resolve_model(args.model)
+        hop, hop_source = await _hop(client, args.hop)
+        plan = ProbePlan(
+            hop=hop, num_offsets=args.offsets or 2 * hop, prompts=args.prompts, per_phase=args.per_phase,
+            seed=args.seed, target_position=args.target_position, needle_range=args.needle_range,
+        )
         units = await _units(client, model, args.units)
         settings = {
             "model": model, "task": task.name, "units": units, "hop": plan.hop, "num_offsets": plan.num_offsets,
@@ -89,7 +100,8 @@ async def scan(args: argparse.Namespace) -> dict:
 
         files["plot"] = str(plot_summary(results, out / "scan.png", hop=plan.hop, title=f"{model} @ {client.base_url}"))
     summary = {
-        "model": model, "base_url": client.base_url, "units": units, "hop": plan.hop, "task": task.name,
+        "model": model, "base_url": client.base_url, "units": units, "hop": plan.hop, "hop_source": hop_source,
+        "task": task.name,
         "resumed": len(done), "sent": len(pending), "feedback": feedback.summary(),
         "settings": settings, "results": results, "files": files,
     }

@@ -71,7 +71,8 @@ class KVTask:
     async def needle_items(
         self, renderer: Renderer, hop: int, per_phase: int, seed: int, span: tuple[int, int] | None
     ) -> dict[int, list[Item]]:
-        lo, hi = span or (2, self.haystack_len)
+        # Default: past a few sink tokens, and older than a raw window of ~32 before the query.
+        lo, hi = span or (8, max(self.haystack_len - 40, self.haystack_len // 2))
         positions = kv.needle_positions_by_phase(hop, per_phase, lo, hi, random.Random(f"{seed}:needle"))
         return {
             phase: [self._item(self._make(random.Random(f"{seed}:needle:{phase}:{i}"), p)) for i, p in enumerate(ps)]
