@@ -101,6 +101,7 @@ def test_resume_after_the_server_fails_midway(scan, tmp_path):
         code, out, err = scan("--base-url", fake.base_url, *args)
         _assert_one_line_error(code, err, "HTTP 500")
         assert "50 answers are kept" in err and "re-run" in err
+        assert len((tmp_path / "scan" / "records.csv").read_text().splitlines()) == 1 + 50
         fake.fail_after = None
         before = fake.completions_served
         code, out, err = scan("--base-url", fake.base_url, *args)

@@ -83,7 +83,10 @@ async def scan(args: argparse.Namespace) -> dict:
                 concurrency=args.concurrency, feedback=feedback, progress=progress,
             )
         except ScanError as exc:
-            answered = len(store.load())
+            store.close()
+            kept = list(store.load().values())
+            store.write_csv(kept)
+            answered = len(kept)
             raise ScanError(
                 f"{exc}; {answered} answers are kept in {store.jsonl}: re-run the same command to resume"
             ) from None
