@@ -35,6 +35,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vllm_chunked_kv.metric_families import get_metrics
 from vllm_chunked_kv.phase_registry import Claim, PhaseRecord, get_phase_registry
 
 FEEDBACK_PATH = "/v1/chunked_kv/feedback"
@@ -98,8 +99,6 @@ async def post_feedback(request: Request) -> JSONResponse:
         return _error(404, "NotFound", f"unknown request id {body.request_id!r} (never served here, or expired)")
     if claim is Claim.ALREADY_RATED:
         return _error(409, "Conflict", f"request {body.request_id!r} was already rated")
-    from vllm_chunked_kv.metric_families import get_metrics
-
     outcome = "correct" if body.correct else "incorrect"
     get_metrics()["vllm_chunked_kv_feedback_total"].labels(
         record.model_name, record.engine, str(record.phase), outcome

@@ -120,6 +120,3 @@ class ChunkedKVStatLogger(AggregateStatLoggerBase):
     def log_engine_initialized(self) -> None:
         # The engine's cache figures are synced into vllm_config by now.
         self._set_footprint_gauges()
-
-    def log(self) -> None:
-        pass

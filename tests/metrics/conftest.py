@@ -9,7 +9,6 @@ from functools import lru_cache
 
 import pytest
 
-from .prometheus_server import PrometheusServer
 
 
 @pytest.fixture(scope="session")
@@ -48,18 +47,3 @@ def prometheus_binary() -> str:
     if path is None:
         pytest.skip("prometheus not installed (Debian package `prometheus`; scripts/setup.sh test installs it)")
     return path
-
-
-@pytest.fixture
-def prometheus_factory(prometheus_binary, tmp_path_factory):
-    """prometheus_factory(target) -> started PrometheusServer scraping target."""
-    started: list[PrometheusServer] = []
-
-    def start(target: str) -> PrometheusServer:
-        server = PrometheusServer(prometheus_binary, target, tmp_path_factory.mktemp("prometheus"))
-        started.append(server)
-        return server.start()
-
-    yield start
-    for server in started:
-        server.stop()

@@ -8,10 +8,10 @@ evaluates without error, and the panels the issue asks for show data.
 
 With two API server processes a feedback post may reach the process that
 did not serve the completion: every post must still find its phase. The
-per-process counter files (PROMETHEUS_MULTIPROC_DIR, set here so the test
-can read them) show which process served each request and each feedback;
-the test sends one request per phase per round until at least one feedback
-was answered by the other process."""
+per-process counter files in the PROMETHEUS_MULTIPROC_DIR vLLM creates
+(read from the API server processes' environment) show which process
+served each request and each feedback; the test sends one request per phase
+per round until at least one feedback was answered by the other process."""
 
 from __future__ import annotations
 
@@ -36,13 +36,45 @@ HOP = ChunkedKVConfig.from_additional_config({"chunked_kv": SECTION}).hop  # 8
 MAX_ROUNDS = 8
 
 
+def descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def vllm_multiproc_dir(server_pid: int) -> Path:
+    """The PROMETHEUS_MULTIPROC_DIR vLLM set before spawning its API servers."""
+    for pid in descendants(server_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+                return Path(item.split(b"=", 1)[1].decode())
+    raise AssertionError("no API server process has PROMETHEUS_MULTIPROC_DIR")
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_llama, prometheus_binary, tmp_path_factory):
-    multiproc_dir = tmp_path_factory.mktemp("prometheus-multiproc")
-    env = {"VLLM_PLUGINS": PLUGINS, "PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir)}
     args = ["--api-server-count", "2", "--max-model-len", "128",
             "--additional-config", json.dumps({"chunked_kv": SECTION})]
-    with VllmServer(tiny_llama, args, env=env) as server:
+    with pytest.MonkeyPatch.context() as patch:
+        # Left unset, as in production: vLLM creates (and removes) the directory.
+        patch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        server = VllmServer(tiny_llama, args, env={"VLLM_PLUGINS": PLUGINS})
+    with server:
+        multiproc_dir = vllm_multiproc_dir(server.proc.pid)
         prometheus = PrometheusServer(prometheus_binary, f"127.0.0.1:{server.port}",
                                       tmp_path_factory.mktemp("prometheus")).start()
         try:
@@ -52,7 +84,7 @@ def stack(tiny_llama, prometheus_binary, tmp_path_factory):
                 lambda: len(prometheus.query(f'vllm_chunked_kv_requests_total{{model_name="{model}"}}')) == HOP,
                 what="first scrape of the phase series",
             )
-            yield server, prometheus, Path(multiproc_dir)
+            yield server, prometheus, multiproc_dir
         finally:
             prometheus.stop()
 
