@@ -10,10 +10,14 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import tomllib
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 from vllm_chunked_kv.config import ChunkedKVConfig
 
