@@ -1,0 +1,101 @@
+"""Run the Triton kernels under Triton's CPU interpreter, in a worker process.
+
+Triton decides when ``triton.language`` is first imported (and again for each
+kernel when it is decorated) whether code is interpreted, and importing vLLM
+imports Triton. In a full test session Triton is loaded long before these
+tests, so they cannot switch to the interpreter in-process. The `triton_ops`
+fixture starts one worker process per session with ``TRITON_INTERPRET=1`` set
+from its start; ``triton_ops.pool.pool_chunk(...)``,
+``triton_ops.attention.attend(...)`` and ``triton_ops.dispatch.<fn>(...)``
+run there. Arguments and results travel pickled; an exception is raised
+again here with the worker's traceback attached. A call given ``out=`` must
+return that very tensor (checked in the worker), so a NaN-filled ``out``
+whose elements come back unwritten fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from multiprocessing import Pipe
+
+import pytest
+
+_WORKER = r"""
+import importlib, pickle, sys, traceback
+from multiprocessing.connection import Connection
+import torch
+torch.set_num_threads(1)
+conn = Connection(int(sys.argv[1]))
+while True:
+    try:
+        module, name, args, kwargs = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        break
+    try:
+        result = getattr(importlib.import_module(module), name)(*args, **kwargs)
+        out = kwargs.get("out")
+        if out is not None:
+            given = out if isinstance(out, tuple) else (out,)
+            got = result if isinstance(result, tuple) else (result,)
+            if [t.data_ptr() for t in given] != [t.data_ptr() for t in got]:
+                raise AssertionError(f"{name} did not return the out= tensors it was given")
+        reply = ("ok", result)
+    except BaseException as exc:
+        reply = ("error", exc, traceback.format_exc())
+    conn.send_bytes(pickle.dumps(reply))
+"""
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.conn, child = Pipe()
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(child.fileno())], pass_fds=[child.fileno()], env=env
+        )
+        child.close()
+
+    def call(self, module: str, name: str, *args, **kwargs):
+        self.conn.send_bytes(pickle.dumps((module, name, args, kwargs)))
+        reply = pickle.loads(self.conn.recv_bytes())
+        if reply[0] == "error":
+            exc = reply[1]
+            exc.add_note("in the Triton interpreter worker:\n" + reply[2])
+            raise exc
+        return reply[1]
+
+    def close(self) -> None:
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class _Module:
+    """Calls into one module of the worker: ``proxy.fn(*args)``."""
+
+    def __init__(self, worker: _Worker, module: str) -> None:
+        self._worker, self._module = worker, module
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self._worker.call(self._module, name, *args, **kwargs)
+
+
+class TritonOps:
+    def __init__(self, worker: _Worker) -> None:
+        self.pool = _Module(worker, "vllm_chunked_kv.ops.triton_pool")
+        self.attention = _Module(worker, "vllm_chunked_kv.ops.triton_attention")
+        self.dispatch = _Module(worker, "vllm_chunked_kv.ops.dispatch")
+
+
+@pytest.fixture(scope="session")
+def triton_ops():
+    """Proxies to the kernel modules, run under Triton's CPU interpreter."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    worker = _Worker()
+    yield TritonOps(worker)
+    worker.close()
