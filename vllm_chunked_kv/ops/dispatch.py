@@ -1,0 +1,168 @@
+"""Which implementation runs the chunked KV ops: the CUDA extension, the
+Triton kernels, or the PyTorch path (`paged.py` / `reference.py`).
+
+- `available(impl, device, ...)` lists the reasons why an implementation
+  cannot run there (empty: it can).
+- `choose(device, ...)` picks one: on a CUDA device CUDA, then Triton, then
+  PyTorch; on any other device PyTorch (Triton's CPU interpreter can run the
+  kernels, far slower than PyTorch, so only when asked for by name). The
+  environment variable ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` |
+  ``torch`` forces one (an error, with the reasons, if it cannot run);
+  ``auto`` or unset picks.
+- `attend` and `pool_chunk` have the signatures of `paged.attend` and
+  `reference.pool_chunk` (plus a keyword-only ``impl``) and route the call.
+
+Nothing heavy is imported until an implementation is asked about: a CPU-only
+process never imports Triton through this module and never compiles CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import paged, reference
+
+IMPLS = ("cuda", "triton", "torch")
+IMPL_ENV = "CHUNKED_KV_IMPL"
+
+logger = logging.getLogger("vllm.chunked_kv.dispatch")
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def available(impl: str, device=None, *, cfg: ChunkedKVConfig | None = None, head_size: int | None = None,
+              head_size_v: int | None = None, group: int = 1) -> list[str]:
+    """Reasons why ``impl`` cannot run on ``device`` (default: the CUDA
+    device if there is one, else the CPU) for these settings and shapes;
+    an empty list when it can."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")
+    device = _device(device)
+    if impl == "torch":
+        return []
+    if impl == "cuda":
+        if device.type != "cuda":
+            return [f"tensors are on {device.type}: the CUDA extension needs a CUDA device"]
+        from vllm_chunked_kv.ops import cuda_ext
+
+        reasons = cuda_ext.unavailable_reasons()
+        if head_size is not None:
+            reasons += cuda_ext.unsupported(cfg, head_size, head_size_v or head_size, group)
+        return reasons
+    return _triton_reasons(device)
+
+
+def _triton_reasons(device: torch.device) -> list[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return [f"triton is not installed ({exc})"]
+    if device.type == "cuda":
+        return [] if torch.cuda.is_available() else ["no CUDA device is visible to torch"]
+    if device.type != "cpu":
+        return [f"Triton has no backend for {device.type} tensors"]
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+        return ["tensors are on cpu and Triton has no CPU backend (its interpreter, TRITON_INTERPRET=1 "
+                "set before triton is imported, runs the kernels slowly, for tests)"]
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):  # importing vLLM imports triton, for one
+        return ["TRITON_INTERPRET=1 was set after triton was imported (set it before anything imports triton)"]
+    from vllm_chunked_kv.ops import triton_attention
+
+    if not triton_attention.INTERPRETED:
+        return ["TRITON_INTERPRET=1 was set after the Triton kernels were imported (set it before importing them)"]
+    return []
+
+
+def choose(device=None, *, impl: str | None = None, cfg: ChunkedKVConfig | None = None,
+           head_size: int | None = None, head_size_v: int | None = None, group: int = 1) -> str:
+    """The implementation to use (see the module docstring for the order).
+    ``impl`` (else ``CHUNKED_KV_IMPL``) names one: it is checked, not searched."""
+    device = _device(device)
+    forced = impl or os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    chunk_size = None if cfg is None else cfg.chunk_size
+    return _choose(device.type, forced, chunk_size, head_size, head_size_v, group, cfg)
+
+
+def _choose(device_type: str, forced: str, chunk_size, head_size, head_size_v, group, cfg) -> str:
+    key = (device_type, forced, chunk_size, head_size, head_size_v, group)
+    if key in _choices:
+        return _choices[key]
+    shapes = dict(cfg=cfg, head_size=head_size, head_size_v=head_size_v, group=group)
+    if forced != "auto":
+        if forced not in IMPLS:
+            raise ValueError(f"implementation {forced!r} (from impl= or {IMPL_ENV}): choose from auto, {', '.join(IMPLS)}")
+        reasons = available(forced, device_type, **shapes)
+        if reasons:
+            raise RuntimeError(f"implementation {forced!r} cannot run on {device_type}: " + "; ".join(reasons))
+        choice = forced
+    else:
+        order = ("cuda", "triton", "torch") if device_type == "cuda" else ("torch",)
+        skipped = {}
+        for impl in order:
+            skipped[impl] = available(impl, device_type, **shapes)
+            if not skipped[impl]:
+                choice = impl
+                break
+        for impl, reasons in skipped.items():
+            if reasons:
+                logger.info("chunked KV: not using %s: %s", impl, "; ".join(reasons))
+    logger.info("chunked KV kernels on %s: %s", device_type, choice)
+    _choices[key] = choice
+    return choice
+
+
+_choices: dict[tuple, str] = {}
+
+
+def clear_choices() -> None:
+    """Forget cached choices (after changing the environment)."""
+    _choices.clear()
+
+
+@functools.cache
+def _impl_module(impl: str):
+    if impl == "cuda":
+        from vllm_chunked_kv.ops import cuda_ext
+
+        return cuda_ext
+    from vllm_chunked_kv.ops import triton_attention, triton_pool
+
+    return triton_attention, triton_pool
+
+
+def attend(query: torch.Tensor, kv_cache: torch.Tensor, batch: paged.PagedBatch, scale: float,
+           cfg: ChunkedKVConfig | None = None, origins: torch.Tensor | None = None, *,
+           impl: str | None = None) -> torch.Tensor:
+    """`paged.attend` by the chosen implementation: query ``[n, Hq, D]`` ->
+    ``[n, Hq, Dv]`` in the query dtype."""
+    head_size = query.shape[-1]
+    impl = choose(query.device, impl=impl, cfg=cfg, head_size=head_size, head_size_v=kv_cache.shape[-1] - head_size,
+                  group=query.shape[1] // kv_cache.shape[1])
+    if impl == "torch":
+        return paged.attend(query, kv_cache, batch, scale, cfg, origins)
+    if impl == "cuda":
+        return _impl_module("cuda").attend(query, kv_cache, batch, scale, cfg, origins)
+    return _impl_module("triton")[0].attend(query, kv_cache, batch, scale, cfg, origins)
+
+
+def pool_chunk(keys: torch.Tensor, values: torch.Tensor, cfg: ChunkedKVConfig, *,
+               impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.pool_chunk` by the chosen implementation."""
+    impl = choose(keys.device, impl=impl, cfg=cfg, head_size=keys.shape[-1], head_size_v=values.shape[-1])
+    if impl == "torch":
+        return reference.pool_chunk(keys, values, cfg)
+    if impl == "cuda":
+        return _impl_module("cuda").pool_chunk(keys, values, cfg)
+    return _impl_module("triton")[1].pool_chunk(keys, values, cfg)
