@@ -228,14 +228,16 @@ def attend(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_m: int = 16,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's stored rows, as
     `paged.attend`: query ``[n, Hq, D]``, kv_cache ``[num_blocks, Hkv,
     block_size, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype (fp32 math).
     Without ``cfg``: exact causal attention. ``origins``: grid origin of each
     KV head (None: all 0). ``out``: where to write (every element of the
-    batch's query tokens is written)."""
+    batch's query tokens is written). ``num_splits``: programs per tile and
+    head (None: enough to fill the device). ``block_m``: query tokens per
+    prefill tile (None: 64 query rows per tile)."""
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = kv_cache.shape[1], kv_cache.shape[-1] - head_d
     if num_heads % num_kv_heads:
@@ -252,6 +254,7 @@ def attend(
         origins = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
+    block_m = block_m or max(1, 64 // group_p2)
     q_lens = [b - a for a, b in zip(batch.query_start[:-1], batch.query_start[1:])]
     # Decode tokens get tiles of one token, prefill pieces tiles of block_m.
     launches = [
@@ -289,6 +292,7 @@ def attend(
             HOP=cfg.hop, KEEP_BOUNDARY=bool(cfg.keep_boundary),
             BLOCK_N=16 if INTERPRETED else 64, BLOCK_C=16,
             NUM_SPLITS=splits, USE_DOT=use_dot,
+            num_warps=4 if rows <= 32 else 8,
             **pooling_constants(cfg),
         )
     if splits > 1:
