@@ -8,8 +8,8 @@ the paged cache through a scattered block table, for:
 - every pooling mode (mean, gated, key_norm), proportional on and off;
 - GQA ratios 1 and 4 (and 3, not a power of two);
 - batches that mix a whole prefill, chunked-prefill continuations and
-  decodes, with odd lengths 1, 63 and 100 and a block size that divides
-  none of them;
+  decodes, and decode-only batches, with odd lengths 1, 63 and 100 and a
+  block size that divides none of them;
 - one program per tile and a context split across several programs;
 - no config (exact causal attention).
 
@@ -136,3 +136,9 @@ def test_whole_prefill_equals_reference(triton_ops):
     out = torch.full_like(want, float("nan"))
     got = triton_ops.attention.attend(query, kv_cache, batch, 0.3, cfg, origins, out=out)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_only_batch(triton_ops, group):
+    cfg = ChunkedKVConfig(chunk_size=4, window=8, sink_tokens=3, mitigation="boundary", pooling="gated", slot_gains=[1.0, 1.0, 2.0, 1.0])
+    _check(triton_ops, cfg, None, group=group, requests=[(100, 1), (63, 1), (1, 1), (9, 1)])
