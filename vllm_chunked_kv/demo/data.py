@@ -1,6 +1,6 @@
 """Training batches for the demo model's curriculum, drawn from a `random.Random`.
 
-- copy: `<bos> fillers s1 .. sn = s1 .. sn`; the loss is on the repetition. This is
+- copy: `<bos> fillers s1 .. sn = s1 .. sn fillers`; the loss is on the repetition. This is
   what makes the induction circuit (attend to the token after the previous
   occurrence of the current token) appear, which plain recall training does
   not find on its own.
@@ -25,19 +25,55 @@ _COPYABLE = KEYS + VALUES  # segments; fillers pad the front
 RECORD_DENSITY = 0.2  # records per haystack token, as in the default prompt (48 in 240)
 
 
-def copy_example(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
+def copy_example(rng: random.Random, length: int, max_segment: int = 24) -> tuple[list[int], list[int]]:
     """Token ids and labels of one copy example of exactly `length` tokens.
 
-    The segment's length varies, and fillers pad the front, so the distance
-    between a token and its copy varies too: copying by a fixed relative
-    position does not work, looking up the previous occurrence does.
+    A segment of distinct words and its repetition sit at a random place
+    among fillers, and the segment's length varies, so the distance between a
+    token and its copy varies and the pair can be anywhere: copying by a
+    fixed relative or absolute position does not work, looking up the
+    previous occurrence of the current word does, at every position.
     """
-    max_len = (length - 2) // 2
-    segment_len = rng.randint(max(2, max_len // 3), max_len)
+    room = (length - 2) // 2
+    segment_len = rng.randint(min(4, room), min(max_segment, room))
     segment = [_ID[w] for w in rng.sample(_COPYABLE, segment_len)]  # distinct words
-    lead = [_ID[w] for w in rng.choices(FILLERS, k=length - 2 - 2 * segment_len)]
-    ids = [_ID["<bos>"]] + lead + segment + [_ID[COPY_MARK]] + segment
-    labels = [IGNORE] * (length - segment_len) + segment
+    free = length - 2 - 2 * segment_len
+    lead_len = rng.randint(0, free)
+    lead = [_ID[w] for w in rng.choices(FILLERS, k=lead_len)]
+    tail = [_ID[w] for w in rng.choices(FILLERS, k=free - lead_len)]
+    ids = [_ID["<bos>"]] + lead + segment + [_ID[COPY_MARK]] + segment + tail
+    copy_start = 1 + lead_len + segment_len + 1
+    labels = [IGNORE] * copy_start + segment + [IGNORE] * len(tail)
+    return ids, labels
+
+
+def pairs_example(rng: random.Random, length: int, max_pairs: int = 16) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one associative-recall example of exactly `length` tokens.
+
+    `k1 v1 .. kn vn = ka va kb vb ..`: the pairs, then the same pairs in a
+    shuffled order; the loss is on the repeated values. The order is new, so
+    only looking up the previous occurrence of the current key predicts its
+    value (no positional shortcut), and every second token carries a label.
+    """
+    room = (length - 2) // 4
+    num_pairs = rng.randint(min(2, room), min(max_pairs, room))
+    keys = rng.sample(KEYS, num_pairs)
+    values = [rng.choice(VALUES) for _ in keys]
+    order = rng.sample(range(num_pairs), num_pairs)
+    free = length - 2 - 4 * num_pairs
+    lead_len = rng.randint(0, free)
+    words = rng.choices(FILLERS, k=lead_len)
+    for key, value in zip(keys, values):
+        words += [key, value]
+    words.append(COPY_MARK)
+    repeat_start = 1 + len(words)
+    for i in order:
+        words += [keys[i], values[i]]
+    words += rng.choices(FILLERS, k=free - lead_len)
+    ids = [_ID["<bos>"]] + [_ID[w] for w in words]
+    labels = [IGNORE] * len(ids)
+    for j in range(num_pairs):
+        labels[repeat_start + 2 * j + 1] = ids[repeat_start + 2 * j + 1]
     return ids, labels
 
 
@@ -64,7 +100,9 @@ def batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels), each [batch_size, length], for `task` in {copy, recall}."""
     rows = [
-        copy_example(rng, length) if task == "copy" else recall_example(rng, length, num_queries)
+        copy_example(rng, length) if task == "copy"
+        else pairs_example(rng, length) if task == "pairs"
+        else recall_example(rng, length, num_queries)
         for _ in range(batch_size)
     ]
     ids = torch.tensor([r[0] for r in rows])  # [batch_size, length]

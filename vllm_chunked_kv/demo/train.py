@@ -43,23 +43,22 @@ FINETUNE_COMPRESSION = ChunkedKVConfig(chunk_size=4, window=32, sink_tokens=4)
 @dataclass(frozen=True)
 class Phase:
     name: str
-    task: str  # copy | recall
+    mix: tuple[tuple[str, int], ...]  # (task, examples per batch); the last task is the phase's goal
     length: int  # tokens per example
-    batch_size: int
     max_steps: int
     lr: float
     num_queries: int = 1
-    target_accuracy: float = 2.0  # running accuracy that ends the phase early (> 1: never)
+    target_accuracy: float = 2.0  # running accuracy on the goal task that ends the phase early (> 1: never)
     min_steps: int = 0
-    compressed_every: int = 0  # every n-th step runs with FINETUNE_COMPRESSION (0: never)
+    compressed: bool = False  # train under FINETUNE_COMPRESSION
     decay: bool = False  # cosine-decay the learning rate over the phase
 
 
 CURRICULUM = (
-    Phase("copy-32", "copy", 32, 64, 1000, 2e-3, target_accuracy=0.97, min_steps=100),
-    Phase("recall-96", "recall", 96, 32, 2500, 2e-3, num_queries=4, target_accuracy=0.98, min_steps=200),
-    Phase("recall-288", "recall", 288, 16, 800, 1e-3, num_queries=8, target_accuracy=0.995, min_steps=100),
-    Phase("finetune-chunked", "recall", 288, 16, 600, 5e-4, num_queries=8, compressed_every=1, decay=True),
+    Phase("copy-96", (("copy", 32),), 96, 1500, 1e-3, target_accuracy=0.995, min_steps=1000),
+    Phase("recall-96", (("copy", 8), ("recall", 24)), 96, 1500, 1e-3, num_queries=4, target_accuracy=0.98, min_steps=200),
+    Phase("recall-288", (("copy", 4), ("recall", 12)), 288, 800, 5e-4, num_queries=8, target_accuracy=0.99, min_steps=100),
+    Phase("finetune-chunked", (("recall", 16),), 288, 600, 5e-4, num_queries=8, compressed=True, decay=True),
 )
 WARMUP_STEPS = 100
 EMA = 0.95  # smoothing of the running accuracy
@@ -92,15 +91,17 @@ def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, lo
             lr *= 0.5 * (1 + math.cos(math.pi * step / phase.max_steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, labels = batch(rng, phase.task, phase.batch_size, phase.length, phase.num_queries)
-        compressed = phase.compressed_every and step % phase.compressed_every == 0
-        with chunked_attention(model, FINETUNE_COMPRESSION if compressed else None):
+        parts = [batch(rng, task, count, phase.length, phase.num_queries) for task, count in phase.mix]
+        ids = torch.cat([p[0] for p in parts])  # [batch, length]
+        labels = torch.cat([p[1] for p in parts])  # [batch, length]
+        with chunked_attention(model, FINETUNE_COMPRESSION if phase.compressed else None):
             out = model(input_ids=ids, labels=labels)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        accuracy = _accuracy(out.logits.detach(), labels)
+        goal = len(ids) - phase.mix[-1][1]  # first row of the goal task
+        accuracy = _accuracy(out.logits[goal:].detach(), labels[goal:])
         running = accuracy if step == 0 else EMA * running + (1 - EMA) * accuracy
         if step % 50 == 0 or step == phase.max_steps - 1:
             log(f"{phase.name} step {step:5d} loss {out.loss.item():.4f} acc {accuracy:.3f} running {running:.3f}")
