@@ -99,3 +99,30 @@ def triton_ops():
     worker = _Worker()
     yield TritonOps(worker)
     worker.close()
+
+
+@pytest.fixture(scope="session")
+def compile_for_gpu():
+    """``compile(kernel, pointer_types, constants, arch)``: compile a kernel
+    ahead of time for an NVIDIA target with Triton's bundled ptxas (no GPU
+    needed). Catches what the interpreter lets through (non-constexpr
+    globals, tl.dot shape rules, type errors). Non-pointer arguments are i32,
+    except the fp32 ``scale`` and ``log_weight``."""
+    triton = pytest.importorskip("triton", reason="triton is not installed")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set in this process: kernels are not compiled")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_kernel(kernel, pointer_types: dict, constants: dict, arch: int = 90):
+        constants = dict(constants)
+        num_warps = constants.pop("num_warps", 4)
+        signature = {
+            name: "constexpr" if name in constants else pointer_types.get(name)
+            or ("fp32" if name in ("scale", "log_weight") else "i32")
+            for name in kernel.arg_names
+        }
+        source = ASTSource(kernel, signature, constants)
+        return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+    return compile_kernel

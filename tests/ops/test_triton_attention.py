@@ -142,3 +142,28 @@ def test_whole_prefill_equals_reference(triton_ops):
 def test_decode_only_batch(triton_ops, group):
     cfg = ChunkedKVConfig(chunk_size=4, window=8, sink_tokens=3, mitigation="boundary", pooling="gated", slot_gains=[1.0, 1.0, 2.0, 1.0])
     _check(triton_ops, cfg, None, group=group, requests=[(100, 1), (63, 1), (1, 1), (9, 1)])
+
+
+@pytest.mark.parametrize(
+    "dtype, settings, group, tile_m, splits, arch",
+    [
+        ("bf16", dict(chunk_size=4, window=128, mitigation="boundary", pooling="key_norm"), 8, 1, 4, 90),  # decode
+        ("fp16", dict(chunk_size=4, window=128, mitigation="overlap"), 1, 1, 1, 80),  # decode, padded rows
+        ("bf16", dict(chunk_size=4, window=128, mitigation="stagger"), 4, 16, 1, 90),  # prefill tile
+    ],
+)
+def test_compiles_for_a_gpu(compile_for_gpu, dtype, settings, group, tile_m, splits, arch):
+    """The kernel as `attend` launches it compiles for sm_80 / sm_90 (not run)."""
+    from vllm_chunked_kv.ops import triton_attention
+
+    constants = triton_attention.launch_constants(
+        ChunkedKVConfig(**settings), num_heads=8 * group, num_kv_heads=8, head_d=128, head_dv=128,
+        tile_m=tile_m, splits=splits,
+    )
+    pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_acc_ptr": "*fp32",
+                "part_ml_ptr": "*fp32", "gains_ptr": "*fp32"}
+    pointers |= {name: "*i32" for name in ("block_table_ptr", "work_req_ptr", "work_first_ptr", "query_start_ptr",
+                                           "seq_lens_ptr", "origins_ptr")}
+    compiled = compile_for_gpu(triton_attention._chunked_kv_attention_kernel, pointers, constants, arch)
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= 160 * 1024  # fits an A100's and an H100's shared memory

@@ -87,3 +87,14 @@ def test_rejects_what_the_reference_rejects(triton_ops):
         triton_ops.pool.pool_chunk(torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), cfg)
     with pytest.raises(ValueError, match="out tensors"):
         triton_ops.pool.pool_chunk(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), cfg, out=_nan_out((3,), 8, 8))
+
+
+def test_compiles_for_a_gpu(compile_for_gpu):
+    from vllm_chunked_kv.ops import triton_pool
+
+    cfg = ChunkedKVConfig(chunk_size=4, window=16, pooling="key_norm", mitigation="boundary")
+    pointers = {"keys_ptr": "*bf16", "values_ptr": "*bf16", "gains_ptr": "*fp32", "key_out_ptr": "*fp32",
+                "value_out_ptr": "*fp32", "log_weight_out_ptr": "*fp32"}
+    constants = dict(HEAD_D=128, D_P2=128, HEAD_DV=128, DV_P2=128, BLOCK_C=16, **triton_pool.pooling_constants(cfg))
+    compiled = compile_for_gpu(triton_pool._chunked_kv_pool_kernel, pointers, constants)
+    assert compiled.asm["cubin"]

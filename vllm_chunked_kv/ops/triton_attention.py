@@ -40,7 +40,7 @@ from vllm_chunked_kv.ops.triton_pool import (
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
-_NEG_BIG = -1.0e30  # finite start of the running max (see _chunked_kv_online_update)
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite start of the running max (see _chunked_kv_online_update)
 _NO_SEAL_WINDOW = 1 << 30  # a window no position reaches: exact causal attention
 
 
@@ -218,6 +218,23 @@ def default_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, device: 
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, 1024), 32))
 
 
+def launch_constants(cfg: ChunkedKVConfig, *, num_heads: int, num_kv_heads: int, head_d: int, head_dv: int,
+                     tile_m: int, splits: int, on_gpu: bool = True) -> dict:
+    """The constexpr parameters (and num_warps) of one attention launch."""
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    rows = max(16 if on_gpu else 1, triton.next_power_of_2(tile_m * group_p2))  # tl.dot on a GPU wants >= 16 rows
+    return dict(
+        NUM_Q_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_M=tile_m, ROWS=rows,
+        HEAD_D=head_d, D_P2=triton.next_power_of_2(head_d), HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
+        HOP=cfg.hop, KEEP_BOUNDARY=bool(cfg.keep_boundary),
+        BLOCK_N=16 if INTERPRETED else 64, BLOCK_C=16, NUM_SPLITS=splits,
+        USE_DOT=rows >= 16 and head_d >= 16 and head_dv >= 16,
+        num_warps=4 if rows <= 32 else 8,
+        **pooling_constants(cfg),
+    )
+
+
 def attend(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -275,10 +292,9 @@ def attend(
         origins=origins.to(device=device, dtype=torch.int32).contiguous(),
         gains=gains_tensor(cfg, device),
     )
-    min_rows = 1 if device.type == "cpu" else 16  # tl.dot on a GPU wants >= 16 rows
     for tile_m, (work_req, work_first) in tiles.items():
-        rows = max(min_rows, triton.next_power_of_2(tile_m * group_p2))
-        use_dot = rows >= 16 and head_d >= 16 and head_dv >= 16
+        consts = launch_constants(cfg, num_heads=num_heads, num_kv_heads=num_kv_heads, head_d=head_d, head_dv=head_dv,
+                                  tile_m=tile_m, splits=splits, on_gpu=device.type != "cpu")
         _chunked_kv_attention_kernel[(len(work_req), num_kv_heads, splits)](
             query, kv_cache, out, part_acc, part_ml,
             batch.block_table, work_req, work_first, common["query_start"], common["seq_lens"],
@@ -286,14 +302,7 @@ def attend(
             float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, kv_cache.shape[2], n,
             query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             batch.block_table.stride(0), out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_M=tile_m, ROWS=rows,
-            HEAD_D=head_d, D_P2=triton.next_power_of_2(head_d),
-            HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
-            HOP=cfg.hop, KEEP_BOUNDARY=bool(cfg.keep_boundary),
-            BLOCK_N=16 if INTERPRETED else 64, BLOCK_C=16,
-            NUM_SPLITS=splits, USE_DOT=use_dot,
-            num_warps=4 if rows <= 32 else 8,
-            **pooling_constants(cfg),
+            **consts,
         )
     if splits > 1:
         _combine(part_acc, part_ml, out)

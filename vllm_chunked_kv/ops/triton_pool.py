@@ -26,7 +26,7 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 # A finite "minus infinity": masked slots get weight exp(-1e30 - max) == 0
 # without the NaN that exp(-inf - -inf) gives on a fully masked row.
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
