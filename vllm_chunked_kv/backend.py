@@ -1,24 +1,30 @@
 """CHUNKED_KV attention backend: vLLM's four roles in one file.
 
-- `ChunkedKVBackend`: the capability sheet vLLM selects on.
-- `ChunkedKVMetadata`: per-batch tensors every layer reads.
+- `ChunkedKVBackend`: the capability sheet vLLM selects on; its
+  `customize_spec` makes the layer's own pages compressed
+  (``tokens_per_state``, see `layout.py`).
+- `ChunkedKVMetadata`: per-step request layout every layer reads, and the
+  step's index plan (built once per step from both cache groups).
 - `ChunkedKVMetadataBuilder`: turns vLLM's common metadata into ours.
-- `ChunkedKVImpl`: writes K/V into the paged cache and computes attention.
+- `ChunkedKVImpl`: stores the step's raw rows, writes the chunks they
+  complete into the compressed pages, and computes attention
+  (`ops/compressed.py`).
 
-Page layout (per layer): `kv_cache[num_blocks, num_kv_heads, block_size,
-head_size + head_size_v]`, keys first, then values (vLLM's LBHNC layout).
-Attention runs in plain PyTorch (`ops/paged.py`): decode rows of the batch in
-one batched call, each prefill (or chunked-prefill piece) in one call.
+Each layer has two caches, both ``[num_blocks, num_kv_heads, rows_per_page,
+head_size + head_size_v]`` (keys then values, vLLM's LBHNC layout): its own
+compressed pages, and the raw pages of its companion layer
+(`raw_cache.py`), registered after the weights are loaded.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -31,10 +37,26 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from vllm_chunked_kv.ops import paged
+from vllm_chunked_kv import layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import compressed
+from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.registration import BACKEND_NAME
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
+
+_active_config: ChunkedKVConfig | None = None  # set by the first impl of this process
+
+
+def active_config() -> ChunkedKVConfig:
+    """The settings of this process's engine. `customize_spec` runs outside
+    vLLM's config context, after the model (and so an impl) was built."""
+    if _active_config is not None:
+        return _active_config
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        raise RuntimeError(f"{BACKEND_NAME}: no engine config in this process to read chunked_kv settings from")
+    return ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
 
 
 class ChunkedKVBackend(AttentionBackend):
@@ -81,14 +103,38 @@ class ChunkedKVBackend(AttentionBackend):
     def supports_compute_capability(cls, capability) -> bool:
         return True
 
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Compressed pages: one stored state per `tokens_per_state` tokens.
+        vLLM also probes with ``block_size=1``; a block size that cannot hold
+        whole slot groups is refused at startup (`startup_checks`)."""
+        cfg = active_config()
+        if spec.block_size % layout.block_multiple(cfg):
+            return spec
+        return replace(spec, tokens_per_state=layout.tokens_per_state(cfg))
+
 
 @dataclass
 class ChunkedKVMetadata:
-    """Per-batch tensors, shared by every layer of the KV-cache group."""
+    """Per-step request layout, shared by every layer of the group."""
 
     num_actual_tokens: int
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token
-    batch: paged.PagedBatch  # request layout: starts, lengths, block table
+    query_start: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs] positions computed after this step
+    block_table: torch.Tensor  # [num_reqs, max_blocks] compressed pages
+    block_size: int  # tokens per compressed page
+    plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
+
+    def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw) -> StepPlan:
+        """The step's index plan for KV heads with these grid origins; `raw`
+        is the companion group's metadata of the same step."""
+        if origins not in self.plans:
+            batch = PagedBatch(
+                query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
+                block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
+            )
+            self.plans[origins] = build_plan(batch, cfg, list(origins))
+        return self.plans[origins]
 
 
 class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
@@ -109,16 +155,12 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         fast_build: bool = False,
     ) -> ChunkedKVMetadata:
         m = common_attn_metadata
-        batch = paged.PagedBatch.from_vllm(
-            query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1],
-            seq_lens=m.seq_lens[: m.num_reqs].cpu(),
-            block_table=m.block_table_tensor[: m.num_reqs],
-            block_size=self.block_size,
-        )
         return ChunkedKVMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            batch=batch,
+            query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
+            seq_lens=m.seq_lens[: m.num_reqs].cpu().tolist(),
+            block_table=m.block_table_tensor[: m.num_reqs],
+            block_size=self.block_size,
         )
 
 
@@ -154,15 +196,27 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = None
-        from vllm_chunked_kv.config import ChunkedKVConfig
+        global _active_config
 
         vllm_config = get_current_vllm_config()
         self.config = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+        _active_config = self.config
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-        self._origins_cache: torch.Tensor | None = None
+        self._static_forward_context = vllm_config.compilation_config.static_forward_context
+        self._origins_cache: tuple[int, ...] | None = None
+        self._raw_pages = None
         logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
 
-    def _origins(self, layer, device) -> torch.Tensor:
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Register the raw pages' companion layer: the layer is in vLLM's
+        static forward context by now, and KV-cache specs are collected later."""
+        from vllm_chunked_kv.raw_cache import attach_raw_pages
+
+        if self._raw_pages is None:
+            keep = layout.model_forever_raw(self.config, self._total_kv_heads)
+            self._raw_pages = attach_raw_pages(self, self.config, keep, self._static_forward_context)
+
+    def _origins(self, layer) -> tuple[int, ...]:
         """Grid origin of each local KV head (global head index under TP)."""
         if self._origins_cache is None:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -172,8 +226,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
             first = get_tensor_model_parallel_rank() * self.num_kv_heads
             total = self._total_kv_heads
             all_origins = self.config.origins(layer_idx, total)
-            local = [all_origins[(first + h) % total] for h in range(self.num_kv_heads)]
-            self._origins_cache = torch.tensor(local, dtype=torch.long, device=device)
+            self._origins_cache = tuple(all_origins[(first + h) % total] for h in range(self.num_kv_heads))
         return self._origins_cache
 
     def forward(
@@ -196,8 +249,19 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         query = query[:n].view(n, self.num_heads, self.head_size)  # [n, Hq, D]
         key = key[:n].view(n, self.num_kv_heads, self.head_size)  # [n, Hkv, D]
         value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
-        paged.write_tokens(kv_cache, key, value, attn_metadata.slot_mapping)
-        origins = self._origins(layer, query.device)
-        out = paged.attend(query, kv_cache, attn_metadata.batch, self.scale, self.config, origins)  # [n, Hq, Dv]
+        raw_pages = self._raw_pages
+        raw = _step_metadata(raw_pages.layer_name)
+        compressed.write_raw(raw_pages.kv_cache, key, value, raw.slot_mapping[:n])
+        plan = attn_metadata.plan(self.config, self._origins(layer), raw)
+        compressed.write_chunks(kv_cache, raw_pages.kv_cache, plan.writes, self.config, self.head_size)
+        out = compressed.attend(query, kv_cache, raw_pages.kv_cache, plan, self.scale)  # [n, Hq, Dv]
         output[:n].view_as(out).copy_(out)
         return output
+
+
+def _step_metadata(layer_name: str):
+    """This step's metadata of another layer (the companion's cache group)."""
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # speculative decoding: [0] is the base model's
+        metadata = metadata[0]
+    return metadata[layer_name]

@@ -20,13 +20,47 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
         window = getattr(text, "sliding_window", None)
         if window and getattr(text, "use_sliding_window", True):
             raise ChunkedKVConfigError(
-                f"chunked_kv: the model uses its own sliding window ({window} tokens); "
+                None, f"the model uses its own sliding window ({window} tokens); "
                 "chunked compression supports full-attention decoder models only"
             )
-    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    cache_config = getattr(vllm_config, "cache_config", None)
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
     if cache_dtype.startswith("fp8"):
         raise ChunkedKVConfigError(
-            f"chunked_kv: --kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16)"
+            None, f"--kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16)"
+        )
+    _check_paging(cfg, vllm_config, cache_config)
+
+
+def _check_paging(cfg: ChunkedKVConfig, vllm_config, cache_config) -> None:
+    """Compressed pages need whole slot groups per page, and the raw pages
+    need vLLM's hybrid KV cache manager (a cache group of their own)."""
+    from vllm_chunked_kv import layout
+
+    block_size = getattr(cache_config, "block_size", None)
+    multiple = layout.block_multiple(cfg)
+    if block_size and block_size % multiple:
+        raise ChunkedKVConfigError(
+            None,
+            f"--block-size {block_size} must be a multiple of hop {multiple}: a compressed page holds "
+            f"whole chunks (mitigation {cfg.mitigation!r}, chunk_size {cfg.chunk_size})",
+        )
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ChunkedKVConfigError(
+            None, "KV connectors (--kv-transfer-config) are not supported: they move one KV state per "
+            "token, and CHUNKED_KV stores one state per tokens_per_state tokens plus a raw window"
+        )
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler_config, "disable_hybrid_kv_cache_manager", None) is True:
+        raise ChunkedKVConfigError(
+            None, "--disable-hybrid-kv-cache-manager is not supported: the raw window lives in a "
+            "sliding-window KV cache group of its own, next to the compressed pages"
+        )
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "attention_chunk_size", None):
+        raise ChunkedKVConfigError(
+            None, "the model uses chunked local attention; chunked compression supports "
+            "full-attention decoder models only"
         )
 
 

@@ -1,0 +1,106 @@
+"""Where CHUNKED_KV keeps each row: compressed pages and the raw window.
+
+Every attention layer has two paged caches (DESIGN.md §3-4, §10):
+
+- **compressed pages** (the layer's own cache, a full-attention group whose
+  spec declares ``tokens_per_state``): one *slot group* per ``hop`` tokens of
+  the sequence, ``slots_per_group`` slots each (3 with boundary retention:
+  pooled interior, first token, last token; else 1: the pooled row). Chunk
+  ``k`` of a head with grid origin ``o`` ends at ``e = o + k*hop + chunk_size
+  - 1`` and lives in group ``e // hop = k + first_group(o)``, i.e. in the page
+  that holds its last token. A page is therefore final as soon as vLLM counts
+  its tokens as computed, which is what prefix caching needs. Slot ``s`` of a
+  request sits in block ``block_table[s // states_per_block]`` at offset
+  ``s % states_per_block``. Groups below ``first_group(o)`` hold no chunk of
+  that head and are written as zeros.
+- **raw pages** (a companion layer, a sliding-window group of ``window +
+  chunk_size - 1`` tokens): position ``j`` sits in block ``raw_table[j //
+  raw_block_size]`` at offset ``j % raw_block_size``. The first
+  ``forever_raw`` positions (sinks, and positions before a staggered grid
+  origin) are never dropped.
+
+Rows are written in the step in which a chunk's last token is computed;
+attention reads sealed chunks from the compressed pages and everything else
+from the raw pages. The functions here are the single source of those
+indices; `ops/step_plan.py` turns them into gather tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+
+from vllm_chunked_kv.config import ChunkedKVConfig
+
+
+def slots_per_group(cfg: ChunkedKVConfig) -> int:
+    """Stored rows per sealed chunk: pooled row, plus two boundary rows."""
+    return 3 if cfg.keep_boundary else 1
+
+
+def tokens_per_state(cfg: ChunkedKVConfig) -> int | Fraction:
+    """Tokens per stored row of the compressed pages (vLLM's spec field):
+    an int where it is one, so vLLM's integer-only checks apply."""
+    value = Fraction(cfg.hop, slots_per_group(cfg))
+    return int(value) if value.denominator == 1 else value
+
+
+def block_multiple(cfg: ChunkedKVConfig) -> int:
+    """A compressed page must hold whole slot groups: block sizes are multiples of hop."""
+    return cfg.hop
+
+
+def states_per_block(cfg: ChunkedKVConfig, block_size: int) -> int:
+    """Rows in one compressed page of `block_size` tokens."""
+    if block_size % block_multiple(cfg):
+        raise ValueError(f"block size {block_size} is not a multiple of hop {cfg.hop}")
+    return block_size // cfg.hop * slots_per_group(cfg)
+
+
+def first_group(cfg: ChunkedKVConfig, origin: int) -> int:
+    """Slot group of chunk 0 of a head whose grid starts at `origin`."""
+    return (origin + cfg.chunk_size - 1) // cfg.hop
+
+
+def raw_window(cfg: ChunkedKVConfig) -> int:
+    """Sliding window of the raw pages, the smallest that works: a query at
+    ``t`` reads raw rows from ``t - window - chunk_size + 2`` on (nothing sealed
+    yet, overlapping chunks) or ``t - window - hop + 2`` (after a seal), and a
+    chunk completing at ``t`` pools rows from ``t - chunk_size + 1``; vLLM keeps
+    the newest ``sliding_window - 1`` computed tokens before a step."""
+    return cfg.window + cfg.chunk_size - 1
+
+
+def forever_raw(cfg: ChunkedKVConfig, origins: Sequence[int]) -> int:
+    """Leading positions kept raw for the whole request: sinks, and the
+    positions before a head's grid origin."""
+    return max(cfg.sink_tokens, max(origins, default=0))
+
+
+def model_forever_raw(cfg: ChunkedKVConfig, num_kv_heads_total: int) -> int:
+    """`forever_raw` over every KV head of every layer (what one raw-page spec,
+    shared by all layers, must keep)."""
+    if isinstance(cfg.stagger, list):
+        return forever_raw(cfg, [o for heads in cfg.stagger for o in heads])
+    return forever_raw(cfg, cfg.origins(0, num_kv_heads_total))
+
+
+def num_sealed(cfg: ChunkedKVConfig, t: int, origin: int) -> int:
+    """Sealed chunks (0 .. K-1) of a head for a query at position `t`."""
+    slack = t - cfg.window - (origin + cfg.chunk_size - 1)
+    return slack // cfg.hop + 1 if slack >= 0 else 0
+
+
+def raw_from(cfg: ChunkedKVConfig, t: int, origin: int) -> int:
+    """First position of the raw region after the last sealed chunk (the
+    origin when nothing is sealed)."""
+    sealed = num_sealed(cfg, t, origin)
+    return origin + (sealed - 1) * cfg.hop + cfg.chunk_size if sealed else origin
+
+
+def completed_chunks(cfg: ChunkedKVConfig, start: int, end: int, origin: int) -> range:
+    """Chunks whose last token lies in positions `[start, end)`: the chunks a
+    step computing those positions writes into the compressed pages."""
+    lo = max(0, -(-(start - origin - cfg.chunk_size + 1) // cfg.hop))
+    hi = (end - origin - cfg.chunk_size) // cfg.hop + 1
+    return range(lo, max(lo, hi))

@@ -1,0 +1,85 @@
+"""Chunked attention over the compressed layout, in plain PyTorch.
+
+Per layer and step (see `layout.py` for where rows live, `step_plan.py` for
+the indices):
+
+1. `write_raw`: store the step's new K/V rows in the raw pages;
+2. `write_chunks`: pool every chunk completed in this step from its raw rows
+   and store the pooled row (and, with boundary retention, its first and
+   last raw rows) in the compressed pages;
+3. `attend`: one softmax per query over sinks + sealed compressed rows + the
+   raw region, every request's key set gathered from both page sets.
+
+Caches are ``[num_blocks, num_kv_heads, rows_per_block, head_size +
+head_size_v]`` (keys then values), raw pages with one row per token,
+compressed pages with one row per state. Math is fp32; stored rows keep the
+cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_chunked_kv import layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import reference
+from vllm_chunked_kv.ops.step_plan import ChunkWrites, StepPlan
+
+
+def write_raw(raw_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store one row per token at flat slot ``block * raw_block_size + offset``.
+
+    key ``[n, Hkv, Dk]``, value ``[n, Hkv, Dv]``, slots ``[n]`` (negative: padding, skipped).
+    """
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    block_size = raw_cache.shape[2]
+    rows = torch.cat([key, value], dim=-1).to(raw_cache.dtype)  # [n, Hkv, Dk + Dv]
+    raw_cache[slots // block_size, :, slots % block_size, :] = rows
+
+
+def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, writes: ChunkWrites, cfg: ChunkedKVConfig,
+                 head_size: int) -> None:
+    """Pool the chunks completed in this step into their compressed slots."""
+    if writes.zero_heads.numel():
+        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+    if not writes.heads.numel():
+        return
+    rows = raw_cache[writes.src_blocks, writes.heads[:, None], writes.src_offsets]  # [M, chunk_size, Dk + Dv]
+    keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
+    if len(cfg.pooled_slots):
+        key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
+        pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
+    else:  # no interior: the pooled slot is never attended
+        pooled = torch.zeros_like(rows[:, 0])
+    stored = [pooled] + ([rows[:, 0], rows[:, -1]] if layout.slots_per_group(cfg) == 3 else [])
+    stored_t = torch.stack(stored, dim=1)  # [M, slots_per_group, Dk + Dv]
+    comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = stored_t
+
+
+def attend(query: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor, plan: StepPlan,
+           scale: float) -> torch.Tensor:
+    """Attention of every query token of the step: query ``[n, Hq, D]`` ->
+    ``[n, Hq, Dv]`` in the query dtype (fp32 math)."""
+    n, num_heads, head_size = query.shape
+    out = query.new_empty(n, num_heads, raw_cache.shape[-1] - head_size)
+    for keys in plan.key_sets:
+        raw = raw_cache[keys.raw_blocks, :, keys.raw_offsets]  # [b, Nr, Hkv, Dk + Dv]
+        comp = comp_cache[keys.comp_blocks, :, keys.comp_offsets]  # [b, Nc, Hkv, Dk + Dv]
+        comp = comp.masked_fill(keys.comp_padding[:, :, None, None], 0)  # padding may hold stale bytes
+        rows = torch.cat([raw, comp], dim=1).float().transpose(1, 2)  # [b, Hkv, N, Dk + Dv]
+        b, num_kv_heads, num_rows, _ = rows.shape
+        group = num_heads // num_kv_heads
+        num_q = keys.query_index.shape[1]
+        q = query[keys.query_index].float()  # [b, L, Hq, D]
+        q = q.view(b, num_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [b, Hkv, G, L, D]
+        q = q.reshape(b * num_kv_heads, group, num_q, head_size)  # [b*Hkv, G, L, D]
+        k = rows[..., :head_size].reshape(b * num_kv_heads, 1, num_rows, head_size)  # [b*Hkv, 1, N, D]
+        v = rows[..., head_size:].reshape(b * num_kv_heads, 1, num_rows, -1)  # [b*Hkv, 1, N, Dv]
+        mask = keys.bias.reshape(b * num_kv_heads, 1, num_q, num_rows)  # [b*Hkv, 1, L, N]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [b*Hkv, G, L, Dv]
+        o = o.view(b, num_kv_heads, group, num_q, -1).permute(0, 3, 1, 2, 4)  # [b, L, Hkv, G, Dv]
+        out[keys.query_index] = o.reshape(b, num_q, num_heads, -1).to(out.dtype)  # [b, L, Hq, Dv]
+    return out

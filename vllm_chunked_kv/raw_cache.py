@@ -1,0 +1,129 @@
+"""The raw pages of a CHUNKED_KV attention layer: a companion cache layer.
+
+vLLM gives every layer registered in ``static_forward_context`` its own KV
+cache spec, cache group, block table and metadata builder. Each CHUNKED_KV
+attention layer registers one companion, ``<layer>.chunked_kv_raw``, whose
+sliding-window spec of ``window + chunk_size - 1`` tokens holds the raw
+rows (the pattern of DeepSeek-V4's compressor state caches). When sinks or
+staggered grid origins need leading rows kept for the whole request, the
+spec is a `SinkSlidingWindowSpec` (see `sink_window.py`).
+
+The companion's page holds as many rows as a compressed page holds states,
+so both groups share vLLM's page size without padding. The attention layer
+writes and reads the companion's cache itself; the companion never runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, SlidingWindowSpec
+
+from vllm_chunked_kv import layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.sink_window import SinkSlidingWindowSpec
+
+SUFFIX = ".chunked_kv_raw"
+
+
+@dataclass
+class RawPagesMetadata:
+    """Per-step view of the raw pages: block table and the new tokens' slots."""
+
+    block_table: torch.Tensor  # [num_reqs, max_raw_blocks]
+    slot_mapping: torch.Tensor  # [num_tokens] flat raw slot of each new token
+    block_size: int
+
+
+class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> RawPagesMetadata:
+        m = common_attn_metadata
+        return RawPagesMetadata(
+            block_table=m.block_table_tensor[: m.num_reqs],
+            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            block_size=self.block_size,
+        )
+
+
+class RawPagesBackend(AttentionBackend):
+    """What vLLM needs to allocate and describe the raw pages; no kernels."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CHUNKED_KV_RAW"
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("the raw pages are written and read by the CHUNKED_KV layer")
+
+    @staticmethod
+    def get_builder_cls() -> type[RawPagesMetadataBuilder]:
+        return RawPagesMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+
+class RawPagesLayer(torch.nn.Module, AttentionLayerBase):
+    """Companion cache layer of one CHUNKED_KV attention layer."""
+
+    def __init__(self, owner, cfg: ChunkedKVConfig, forever_raw: int, static_forward_context: dict) -> None:
+        super().__init__()
+        self.layer_name = owner.layer_name + SUFFIX
+        self.num_kv_heads = owner.num_kv_heads
+        self.head_size = owner.head_size
+        self.head_size_v = owner.head_size_v
+        self.dtype = owner.kv_cache_torch_dtype
+        self.cfg = cfg
+        self.forever_raw = forever_raw
+        self.kv_cache = torch.tensor([])
+        if self.layer_name in static_forward_context:
+            raise ValueError(f"Duplicate layer name: {self.layer_name}")
+        static_forward_context[self.layer_name] = self
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return RawPagesBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        fields = dict(
+            block_size=layout.states_per_block(self.cfg, vllm_config.cache_config.block_size),
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.head_size_v,
+            dtype=self.dtype,
+            sliding_window=layout.raw_window(self.cfg),
+        )
+        if self.forever_raw:
+            return SinkSlidingWindowSpec(**fields, sink_tokens=self.forever_raw)
+        return SlidingWindowSpec(**fields)
+
+    def forward(self):  # never called: the attention layer uses the cache
+        raise NotImplementedError
+
+
+def attach_raw_pages(impl, cfg: ChunkedKVConfig, forever_raw: int, static_forward_context: dict) -> RawPagesLayer:
+    """Register the companion of the attention layer whose impl is `impl`."""
+    owners = [layer for layer in list(static_forward_context.values()) if getattr(layer, "impl", None) is impl]
+    if len(owners) != 1:
+        raise RuntimeError(f"CHUNKED_KV: found {len(owners)} attention layers for one impl (expected 1)")
+    return RawPagesLayer(owners[0], cfg, forever_raw, static_forward_context)
