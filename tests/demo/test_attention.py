@@ -79,3 +79,20 @@ def test_gradients_flow_and_implementation_is_restored():
     assert model.config._attn_implementation == before
     grads = [p.grad for p in model.model.layers[0].self_attn.k_proj.parameters()]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_learned_gains_equal_reference_gated_pooling():
+    torch.manual_seed(1)
+    mean_cfg = ChunkedKVConfig(chunk_size=4, window=8, sink_tokens=1)
+    logits = torch.randn(4, requires_grad=True)
+    weights = logits.softmax(-1).tolist()
+    gated_cfg = ChunkedKVConfig(chunk_size=4, window=8, sink_tokens=1, pooling="gated", slot_gains=weights)
+    model = build_model(0).eval()
+    ids, labels = batch(random.Random(2), "recall", 2, 40, 2)
+    with chunked_attention(model, mean_cfg, gains=logits):
+        learned = model(input_ids=ids, labels=labels)
+    with torch.no_grad(), chunked_attention(model, gated_cfg):
+        gated = model(input_ids=ids).logits
+    torch.testing.assert_close(learned.logits.detach(), gated, rtol=1e-4, atol=1e-5)
+    learned.loss.backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0

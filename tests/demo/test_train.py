@@ -5,7 +5,10 @@
 - Training learns: the copy phase's loss starts near uniform guessing over
   the vocabulary and falls within the shortened budget.
 - `--steps-scale` scales every phase's budget, never below one step.
-- The command writes a loadable model directory with tokenizer and TRAINING.md.
+- The gated variant (learned slot gains) is deterministic too, and learns
+  gains of its own (normalised, moved away from mean pooling).
+- The command writes loadable model directories with tokenizer and
+  TRAINING.md, and the gated one its gains as a valid `pooling="gated"` config.
 """
 
 from __future__ import annotations
@@ -31,18 +34,30 @@ def runs():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     logs: list[list[str]] = [[], [], []]
-    first = train_mod.train(3, SCALE, log=logs[0].append)
-    second = train_mod.train(3, SCALE, log=logs[1].append)
+    first = train_mod.train(3, SCALE, log=logs[0].append, gated=True)
+    second = train_mod.train(3, SCALE, log=logs[1].append, gated=True)
     other = train_mod.train(4, 0.002, log=logs[2].append)
     return first, second, other, logs
 
 
 def test_same_seed_same_weights(runs):
-    (model_a, record_a), (model_b, record_b), (model_c, _), _ = runs
-    a, b, c = _state(model_a), _state(model_b), _state(model_c)
-    assert [r[:2] for r in record_a] == [r[:2] for r in record_b]
+    first, second, other, _ = runs
+    a, b, c = _state(first.model), _state(second.model), _state(other.model)
+    assert [r[:2] for r in first.record] == [r[:2] for r in second.record]
     assert all(torch.equal(a[name], b[name]) for name in a)
     assert any(not torch.equal(a[name], c[name]) for name in a)
+    gated_a, gated_b = _state(first.gated_model), _state(second.gated_model)
+    assert all(torch.equal(gated_a[name], gated_b[name]) for name in gated_a)
+    assert first.gains == second.gains
+
+
+def test_gated_variant_learns_its_own_gains(runs):
+    first = runs[0]
+    assert len(first.gains) == train_mod.FINETUNE_COMPRESSION.chunk_size
+    assert abs(sum(first.gains) - 1) < 1e-4
+    assert first.gains != [0.25] * 4  # moved away from mean pooling
+    a, g = _state(first.model), _state(first.gated_model)
+    assert any(not torch.equal(a[name], g[name]) for name in a)
 
 
 def test_copy_loss_falls(runs):
@@ -58,11 +73,18 @@ def test_steps_scale():
         assert train_mod.scaled(phase, 1e-9).max_steps == 1
 
 
-def test_command_writes_model_dir(tmp_path):
+def test_command_writes_model_dirs(tmp_path):
+    import json
+
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    out = tmp_path / "model"
-    assert train_mod.main(["--out", str(out), "--seed", "1", "--steps-scale", "0.002", "--eval-prompts", "4"]) == 0
-    assert (out / "model.safetensors").exists() and (out / "TRAINING.md").exists()
-    LlamaForCausalLM.from_pretrained(out)
+    out, gated = tmp_path / "model", tmp_path / "gated"
+    argv = ["--out", str(out), "--gated-out", str(gated), "--seed", "1", "--steps-scale", "0.002", "--eval-prompts", "4"]
+    assert train_mod.main(argv) == 0
+    for directory in (out, gated):
+        assert (directory / "model.safetensors").exists() and (directory / "TRAINING.md").exists()
+        LlamaForCausalLM.from_pretrained(directory)
+    assert not (out / train_mod.GAINS_FILE).exists()
+    meta = json.loads((gated / train_mod.GAINS_FILE).read_text())
+    train_mod.gated_config(meta["slot_gains"])  # a valid gated config
     assert AutoTokenizer.from_pretrained(out)("k1")["input_ids"] == [VOCAB.index("<bos>"), VOCAB.index("k1")]

@@ -8,6 +8,13 @@ the KV-head axis, which the reference treats independently, and one softmax
 runs over the extended key set. Gradients flow through the pooling, so the
 same function trains the model under compression.
 
+Learned per-slot gains (the trainable stand-in for DeepSeek-V4's gate,
+served as `pooling="gated"`): with `gains` (a tensor of `chunk_size` logits;
+the weights are their softmax), each key and value is scaled by
+`chunk_size * weight[slot]` before the reference's mean pooling, so a pooled
+row is the gain-weighted sum of its chunk; raw rows stay unscaled. This
+equals the reference's gated pooling with those weights as `slot_gains`.
+
 Sequences must be unpadded and start at position 0 (true for the demo's
 training batches and its equal-length evaluation batches).
 """
@@ -24,6 +31,7 @@ from vllm_chunked_kv.ops.reference import extended_kv
 
 ATTN_NAME = "chunked_kv"
 _CONFIG_ATTR = "chunked_kv_config"
+_GAINS_ATTR = "chunked_kv_gains"  # a 1-tuple holding the gain logits (a tuple, so nn.Module does not adopt them)
 
 
 def chunked_attention_forward(
@@ -45,6 +53,9 @@ def chunked_attention_forward(
     folded_k = key.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, head_dim)  # [T, b*Hkv, D]
     folded_v = value.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, -1)  # [T, b*Hkv, Dv]
     ext = extended_kv(folded_k, folded_v, cfg, origins)
+    gains = getattr(module, _GAINS_ATTR, (None,))[0]
+    if gains is not None:
+        ext = _with_gained_rows(ext, folded_k, folded_v, cfg, origins, gains)
     ext_len = ext.keys.shape[0]  # T + N
     keys = ext.keys.view(ext_len, batch, num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [b, Hkv, T+N, D]
     values = ext.values.view(ext_len, batch, num_kv_heads, -1).permute(1, 2, 0, 3)  # [b, Hkv, T+N, Dv]
@@ -57,6 +68,20 @@ def chunked_attention_forward(
     return out.to(query.dtype).contiguous(), None
 
 
+def _with_gained_rows(ext, k, v, cfg: ChunkedKVConfig, origins: list[int], gains: torch.Tensor):
+    """`ext` with its pooled rows replaced by gain-weighted ones (mean pooling of scaled keys/values)."""
+    if cfg.pooling != "mean" or cfg.hop != cfg.chunk_size or cfg.keep_boundary:
+        raise ValueError("learned gains need mean pooling, hop == chunk_size and no boundary retention")
+    seq_len = k.shape[0]
+    positions = torch.arange(seq_len).view(-1, 1)  # [T, 1]
+    slots = (positions - torch.tensor(origins).view(1, -1)) % cfg.chunk_size  # [T, b*Hkv]
+    scale = (cfg.chunk_size * gains.softmax(-1))[slots].unsqueeze(-1)  # [T, b*Hkv, 1]
+    gained = extended_kv(k * scale, v * scale, cfg, origins)
+    keys = torch.cat([ext.keys[:seq_len], gained.keys[seq_len:]])  # [T + N, b*Hkv, D]
+    values = torch.cat([ext.values[:seq_len], gained.values[seq_len:]])  # [T + N, b*Hkv, Dv]
+    return ext._replace(keys=keys, values=values)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
@@ -64,9 +89,10 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def chunked_attention(model, cfg: ChunkedKVConfig | None) -> Iterator[None]:
+def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None) -> Iterator[None]:
     """Run `model` (a transformers Llama) with chunked attention `cfg` inside
-    the block; None means full attention (eager)."""
+    the block; None means full attention (eager). `gains`: learned per-slot
+    gain logits (see the module docstring)."""
     previous = model.config._attn_implementation
     if cfg is None:
         model.set_attn_implementation("eager")
@@ -74,6 +100,7 @@ def chunked_attention(model, cfg: ChunkedKVConfig | None) -> Iterator[None]:
         _register()
         for layer in model.model.layers:
             setattr(layer.self_attn, _CONFIG_ATTR, cfg)
+            setattr(layer.self_attn, _GAINS_ATTR, (gains,))
         model.set_attn_implementation(ATTN_NAME)
     try:
         yield

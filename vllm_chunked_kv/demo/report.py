@@ -2,17 +2,19 @@
 
 Written by `demo.train` from what it measured: the command, the seed, the
 time per curriculum phase, held-out accuracy with full attention and the
-needle-phase sweep under the fine-tuning compression, each with Wilson 95%
-intervals.
+needle-phase sweep with full attention and under each given compression,
+each with Wilson 95% intervals.
 """
 
 from __future__ import annotations
 
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
+from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.evaluate import NEEDLE_RANGE, accuracy, format_percent, needle_sweep
 
 
@@ -23,24 +25,30 @@ def _sweep_row(name: str, result) -> str:
     return f"| {name} | " + " | ".join(cells) + f" | {gap_cell} |"
 
 
-def write_training_report(model, args, record, seconds: float) -> None:
-    """Evaluate `model` and write `args.out / TRAINING.md`."""
-    from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION
+def _describe(cfg: ChunkedKVConfig) -> str:
+    pooling = f"{cfg.pooling} pooling" + (f" (slot gains {cfg.slot_gains})" if cfg.pooling == "gated" else "")
+    return f"{pooling}, chunk_size {cfg.chunk_size}, window {cfg.window}, {cfg.sink_tokens} sinks"
 
+
+def write_training_report(
+    model, out_dir: Path, args, record, seconds: float, modes: dict[str, ChunkedKVConfig]
+) -> None:
+    """Evaluate `model` (full attention and each of `modes`) and write `out_dir / TRAINING.md`."""
     n = args.eval_prompts
     full = format_percent(*accuracy(model, n, seed=args.seed))
-    full_sweep = needle_sweep(model, None, per_phase=n, seed=args.seed)
-    chunked_sweep = needle_sweep(model, FINETUNE_COMPRESSION, per_phase=n, seed=args.seed)
+    rows = [_sweep_row("full", needle_sweep(model, None, per_phase=n, seed=args.seed))]
+    rows += [_sweep_row(name, needle_sweep(model, cfg, per_phase=n, seed=args.seed)) for name, cfg in modes.items()]
     command = "python -m vllm_chunked_kv.demo.train " + " ".join(sys.argv[1:])
     phases = "\n".join(f"| {name} | {steps} | {secs:.0f} |" for name, steps, secs in record)
-    cfg = FINETUNE_COMPRESSION
+    described = "\n".join(f"- {name}: {_describe(cfg)}" for name, cfg in modes.items())
+    rows_text = "\n".join(rows)
     text = f"""# Demo model: how it was trained
 
 Command: `{command}`
 
 Seed {args.seed}, steps scale {args.steps_scale}, {args.threads} torch thread(s),
-torch {torch.__version__}, {platform.processor() or platform.machine()}.
-Total training time: {seconds / 60:.1f} minutes.
+torch {torch.__version__}, {platform.machine()}.
+Total training time: {seconds / 60:.1f} minutes (wall clock, all phases below).
 
 | phase | steps | seconds |
 | --- | --- | --- |
@@ -51,14 +59,13 @@ Total training time: {seconds / 60:.1f} minutes.
 Held-out prompts at the demo context length (243 tokens, 48 records), full
 attention: {full} ({n} prompts).
 
-Needle-phase sweep (target positions in [{NEEDLE_RANGE[0]}, {NEEDLE_RANGE[1]}], grouped by
-position mod 4, position-matched, {n} prompts per phase). Chunked: mean
-pooling, chunk_size {cfg.chunk_size}, window {cfg.window}, {cfg.sink_tokens} sinks.
+Needle-phase sweep: target positions in [{NEEDLE_RANGE[0]}, {NEEDLE_RANGE[1]}], grouped by
+position mod 4, position-matched, {n} prompts per phase.
+
+{described}
 
 | attention | phase 0 | phase 1 | phase 2 | phase 3 | gap (best - worst) |
 | --- | --- | --- | --- | --- | --- |
-{_sweep_row("full", full_sweep)}
-{_sweep_row("chunked mean-4", chunked_sweep)}
+{rows_text}
 """
-    (args.out / "TRAINING.md").write_text(text)
-
+    (out_dir / "TRAINING.md").write_text(text)

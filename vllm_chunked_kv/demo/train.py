@@ -22,6 +22,8 @@ the time and held-out accuracies.
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import math
 import random
 import sys
@@ -60,7 +62,9 @@ CURRICULUM = (
     Phase("recall-288", (("copy", 4), ("recall", 12)), 288, 800, 5e-4, num_queries=8, target_accuracy=0.99, min_steps=100),
     Phase("finetune-chunked", (("recall", 16),), 288, 600, 5e-4, num_queries=8, compressed=True, decay=True),
 )
+GAINS_FILE = "chunked_kv_gains.json"
 WARMUP_STEPS = 100
+GAINS_LR_SCALE = 20.0  # the 4 gain logits learn faster than the weights
 EMA = 0.95  # smoothing of the running accuracy
 
 
@@ -81,8 +85,9 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((predicted[keep] == target[keep]).float().mean())
 
 
-def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, log) -> int:
-    """Train one phase; returns the number of steps taken."""
+def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, log, gains=None) -> int:
+    """Train one phase; returns the number of steps taken. `gains`: learned slot-gain logits."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     running = 0.0
     for step in range(phase.max_steps):
         global_step = step0 + step
@@ -90,14 +95,14 @@ def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, lo
         if phase.decay:
             lr *= 0.5 * (1 + math.cos(math.pi * step / phase.max_steps))
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         parts = [batch(rng, task, count, phase.length, phase.num_queries) for task, count in phase.mix]
         ids = torch.cat([p[0] for p in parts])  # [batch, length]
         labels = torch.cat([p[1] for p in parts])  # [batch, length]
-        with chunked_attention(model, FINETUNE_COMPRESSION if phase.compressed else None):
+        with chunked_attention(model, FINETUNE_COMPRESSION if phase.compressed else None, gains):
             out = model(input_ids=ids, labels=labels)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         goal = len(ids) - phase.mix[-1][1]  # first row of the goal task
@@ -111,27 +116,71 @@ def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, lo
     return phase.max_steps
 
 
-def train(seed: int, steps_scale: float = 1.0, log=print):
-    """The trained model and a per-phase record [(name, steps, seconds)]."""
+@dataclass
+class Trained:
+    model: object  # fine-tuned with mean pooling
+    record: list[tuple[str, int, float]]  # (phase, steps, seconds)
+    gated_model: object | None = None  # fine-tuned with learned slot gains
+    gains: list[float] | None = None  # the learned slot gains, normalised
+
+
+def train(seed: int, steps_scale: float = 1.0, log=print, gated: bool = False) -> Trained:
+    """Run the curriculum; with `gated`, also fine-tune a copy of the
+    full-attention model with learned per-slot gains instead of mean pooling."""
     torch.manual_seed(seed)
     model = build_model(seed)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    optimizer = _optimizer(model)
     record = []
     step0 = 0
-    for index, phase in enumerate(CURRICULUM):
+    for phase in CURRICULUM:
         phase = scaled(phase, steps_scale)
+        if phase.compressed and gated:
+            gated_model = copy.deepcopy(model)
+            gated_optimizer = _copy_optimizer(optimizer, gated_model)
         rng = random.Random(f"{seed}/{phase.name}")
         start = time.perf_counter()
         steps = run_phase(model, optimizer, phase, rng, step0, log)
-        step0 += steps
         record.append((phase.name, steps, time.perf_counter() - start))
+        if phase.compressed and gated:
+            logits = torch.zeros(FINETUNE_COMPRESSION.chunk_size, requires_grad=True)  # start at mean pooling
+            gated_optimizer.add_param_group({"params": [logits], "weight_decay": 0.0, "lr_scale": GAINS_LR_SCALE})
+            rng = random.Random(f"{seed}/{phase.name}")  # the same batches as the mean fine-tune
+            start = time.perf_counter()
+            gated_steps = run_phase(gated_model, gated_optimizer, phase, rng, step0, log, gains=logits)
+            record.append((phase.name + "-gated", gated_steps, time.perf_counter() - start))
+        step0 += steps
     model.eval()
-    return model, record
+    if not gated:
+        return Trained(model, record)
+    gains = [round(g, 6) for g in logits.detach().softmax(-1).tolist()]
+    log(f"learned slot gains {gains}")
+    return Trained(model, record, gated_model.eval(), gains)
 
 
-def save(model, out_dir: Path) -> None:
-    """Write the model (fp32 safetensors), its generation config and the tokenizer."""
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+
+
+def _copy_optimizer(optimizer, model):
+    """A new optimizer over `model`'s parameters (a deep copy of the model
+    `optimizer` optimises, parameters in the same order) with its state."""
+    twin = _optimizer(model)
+    twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return twin
+
+
+def gated_config(gains: list[float]) -> ChunkedKVConfig:
+    """FINETUNE_COMPRESSION with learned gains as `pooling="gated"` (how vLLM serves them)."""
+    cfg = FINETUNE_COMPRESSION
+    return ChunkedKVConfig(
+        chunk_size=cfg.chunk_size, window=cfg.window, sink_tokens=cfg.sink_tokens, pooling="gated", slot_gains=gains
+    )
+
+
+def save(model, out_dir: Path, gains: list[float] | None = None) -> None:
+    """Write the model (fp32 safetensors), its generation config, the tokenizer
+    and, for the gated variant, `chunked_kv_gains.json`."""
     from vllm_chunked_kv.demo.tokenizer import save_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,26 +189,42 @@ def save(model, out_dir: Path) -> None:
     model.generation_config.max_new_tokens = 1
     model.save_pretrained(out_dir, safe_serialization=True)
     save_tokenizer(out_dir)
+    if gains is not None:
+        cfg = FINETUNE_COMPRESSION
+        meta = {
+            "pooling": "gated",
+            "slot_gains": gains,
+            "trained_with": {"chunk_size": cfg.chunk_size, "window": cfg.window, "sink_tokens": cfg.sink_tokens},
+        }
+        (out_dir / GAINS_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output model directory")
+    parser.add_argument("--out", type=Path, required=True, help="output model directory (mean-pooling fine-tune)")
+    parser.add_argument("--gated-out", type=Path, default=None,
+                        help="also fine-tune with learned per-slot gains and save that variant here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's step budget")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps runs reproducible)")
-    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts per accuracy in TRAINING.md")
+    parser.add_argument("--eval-prompts", type=int, default=200,
+                        help="held-out prompts per accuracy in TRAINING.md (a multiple of 4)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     start = time.perf_counter()
-    model, record = train(args.seed, args.steps_scale, log=lambda msg: print(msg, flush=True))
+    trained = train(args.seed, args.steps_scale, log=lambda msg: print(msg, flush=True), gated=args.gated_out is not None)
     seconds = time.perf_counter() - start
-    save(model, args.out)
     from vllm_chunked_kv.demo.report import write_training_report
 
-    write_training_report(model, args, record, seconds)
-    print(f"saved to {args.out} after {seconds:.0f} s", flush=True)
+    save(trained.model, args.out)
+    modes = {"chunked mean-4": FINETUNE_COMPRESSION}
+    write_training_report(trained.model, args.out, args, trained.record, seconds, modes)
+    if args.gated_out is not None:
+        save(trained.gated_model, args.gated_out, trained.gains)
+        modes = {"chunked gated-4 (learned gains)": gated_config(trained.gains), **modes}
+        write_training_report(trained.gated_model, args.gated_out, args, trained.record, seconds, modes)
+    print(f"saved after {seconds:.0f} s of training", flush=True)
     return 0
 
 
