@@ -38,7 +38,7 @@ def test_noise_free_periods(pattern, period):
 def test_flat_curve_has_no_period():
     result = dominant_period(*_exact([0.8] * 8, 200))
     assert result.period is None
-    assert "flat" in result.reason
+    assert "constant accuracy" in result.reason
 
 
 def test_trend_is_not_a_period():

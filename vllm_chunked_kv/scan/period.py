@@ -107,7 +107,7 @@ def dominant_period(
     p_value = float((1 + (null_best >= observed - 1e-9).sum()) / (1 + permutations))
     period = periods[best]
     if observed <= 0:
-        return PeriodResult(None, p_value, "accuracy is flat across offsets (no fold beats a constant)", fits)
+        return PeriodResult(None, p_value, "no fold explains the curve better than a constant accuracy (BIC)", fits)
     if p_value >= alpha:
         return PeriodResult(None, p_value, f"best fold (period {period}) is not significant", fits)
     if period > num_offsets // 2:

@@ -32,7 +32,8 @@ def plot_summary(summary: dict, path: str | Path, *, hop: int, title: str = "") 
         gap_text = f"gap {100 * gap['value']:.1f} [{100 * gap['ci'][0]:.1f}, {100 * gap['ci'][1]:.1f}] pts"
         if kind == "offset":
             _panel(ax, s["by_offset"], "offset", "tab:blue")
-            ax.set_xlabel("filler units prepended (offset)")
+            ax.set_xticklabels([f"{row['offset']}\n({row['phase']})" for row in s["by_offset"]])
+            ax.set_xlabel("filler units prepended (target phase)")
             period = s["period"].get("period")
             found = f"period {period}" if period else "no period"
             ax.set_title(f"offset probe: {found}; phase {gap_text}", fontsize=9)

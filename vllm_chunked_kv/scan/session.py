@@ -101,7 +101,7 @@ async def scan(args: argparse.Namespace) -> dict:
     if not args.no_plot:
         from vllm_chunked_kv.scan.plot import plot_summary
 
-        files["plot"] = str(plot_summary(results, out / "scan.png", hop=plan.hop, title=f"{model} @ {client.base_url}"))
+        files["plot"] = str(plot_summary(results, out / "scan.png", hop=plan.hop, title=f"{model}: {task.name} task"))
     summary = {
         "model": model, "base_url": client.base_url, "units": units, "hop": plan.hop, "hop_source": hop_source,
         "task": task.name,
