@@ -5,7 +5,7 @@
 - with full attention it answers at least 95% of 40 held-out prompts at the
   demo context length;
 - the needle-phase sweep shows what the demo exists for: with full attention
-  the best - worst phase gap is inside its no-effect noise, under the
+  the best - worst phase gap's 95% interval includes zero, under the
   compression the model was fine-tuned with (mean pooling, chunk 4) the gap's
   95% interval lies above zero.
 """
@@ -53,5 +53,5 @@ def test_full_attention_answers_held_out_prompts(model):
 def test_phase_gap_appears_only_under_compression(model):
     full = needle_sweep(model, None, per_phase=64, seed=777)
     chunked = needle_sweep(model, FINETUNE_COMPRESSION, per_phase=64, seed=777)
-    assert full.gap.value <= full.gap.null_p95
+    assert full.gap.ci_low <= 0  # no phase effect beyond noise
     assert chunked.gap.ci_low > 0

@@ -1,22 +1,31 @@
 """Train the demo retrieval model from scratch on CPU, deterministically from a seed.
 
-    python -m vllm_chunked_kv.demo.train --out DIR --seed 0 [--steps-scale 0.1]
+    python -m vllm_chunked_kv.demo.train --out DIR [--gated-out DIR2] --seed 0 [--steps-scale 0.1]
 
 The curriculum (DESIGN.md §8): plain recall training stalls at "guess any
-value", so the model first learns to copy (which grows an induction
-circuit), then recalls at length 96, then at 288. A last phase fine-tunes
-with mean-pooled chunk-4 compression inside the attention (window 32, 4
-sinks), interleaved with full-attention steps: a model trained with full
-attention only collapses to chance under compression applied afterwards,
-while the fine-tuned one answers under both and shows the periodic weak spot
-cleanly.
+value", so the model first learns to copy a segment placed anywhere in a
+96-token sequence (which grows an induction circuit that works at every
+position; a fixed-offset copy is learned by position instead and does not
+transfer), then recalls at length 96, then at 288, with some copy examples
+mixed in. A last phase fine-tunes with mean-pooled chunk-4 compression
+inside the attention (window 32, 4 sinks); a quarter of each of its batches
+keeps full attention, without which full-attention accuracy on recent
+records decays. A model trained with full attention only collapses under
+compression applied afterwards; the fine-tuned one answers under both and
+shows the periodic weak spot.
+
+With `--gated-out`, a copy of the model before the fine-tune is fine-tuned
+the same way (same batches) but with learned per-slot pooling gains instead
+of mean pooling, and saved with its gains (`chunked_kv_gains.json`) for
+`pooling="gated"`.
 
 Each phase runs up to its step budget and ends early once the running
 accuracy on its training batches reaches the phase's target; everything
-(weights, data, early stops) follows from the seed. `--steps-scale` scales
-every budget, for quick runs. The output directory gets the model
-(safetensors, config), the tokenizer and a TRAINING.md with the command,
-the time and held-out accuracies.
+(weights, data, early stops) follows from the seed (bit-identical with the
+same torch build and thread count). `--steps-scale` scales every budget, for
+quick runs. The output directory gets the model (fp32 safetensors, config),
+the tokenizer and a TRAINING.md with the command, the time and held-out
+accuracies.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class Phase:
     target_accuracy: float = 2.0  # running accuracy on the goal task that ends the phase early (> 1: never)
     min_steps: int = 0
     compressed: bool = False  # train under FINETUNE_COMPRESSION
+    full_rows: int = 0  # with compressed: the last rows of each batch run with full attention
     decay: bool = False  # cosine-decay the learning rate over the phase
 
 
@@ -99,17 +109,25 @@ def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, lo
         parts = [batch(rng, task, count, phase.length, phase.num_queries) for task, count in phase.mix]
         ids = torch.cat([p[0] for p in parts])  # [batch, length]
         labels = torch.cat([p[1] for p in parts])  # [batch, length]
-        with chunked_attention(model, FINETUNE_COMPRESSION if phase.compressed else None, gains):
-            out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
+        split = len(ids) - phase.full_rows if phase.compressed else 0  # rows [0, split) compressed
+        logits, loss = [], 0.0
+        for rows, cfg in ((slice(0, split), FINETUNE_COMPRESSION), (slice(split, None), None)):
+            if rows.start == len(ids) or rows.stop == 0:
+                continue
+            with chunked_attention(model, cfg, gains):
+                out = model(input_ids=ids[rows], labels=labels[rows])
+            loss = loss + out.loss * len(ids[rows]) / len(ids)
+            logits.append(out.logits.detach())
+        logits = torch.cat(logits)  # [batch, length, vocab]
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         goal = len(ids) - phase.mix[-1][1]  # first row of the goal task
-        accuracy = _accuracy(out.logits[goal:].detach(), labels[goal:])
+        accuracy = _accuracy(logits[goal:], labels[goal:])
         running = accuracy if step == 0 else EMA * running + (1 - EMA) * accuracy
         if step % 50 == 0 or step == phase.max_steps - 1:
-            log(f"{phase.name} step {step:5d} loss {out.loss.item():.4f} acc {accuracy:.3f} running {running:.3f}")
+            log(f"{phase.name} step {step:5d} loss {loss.item():.4f} acc {accuracy:.3f} running {running:.3f}")
         if step + 1 >= phase.min_steps and running >= phase.target_accuracy:
             log(f"{phase.name} reached running accuracy {running:.3f} at step {step}")
             return step + 1
