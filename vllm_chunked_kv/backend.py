@@ -132,6 +132,7 @@ class ChunkedKVMetadata:
             batch = PagedBatch(
                 query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
                 block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
+                raw_window=raw.sliding_window, raw_sink_tokens=raw.sink_tokens,
             )
             self.plans[origins] = build_plan(batch, cfg, list(origins))
         return self.plans[origins]
@@ -249,12 +250,13 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         query = query[:n].view(n, self.num_heads, self.head_size)  # [n, Hq, D]
         key = key[:n].view(n, self.num_kv_heads, self.head_size)  # [n, Hkv, D]
         value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
+        step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, D + Dv]
         raw_pages = self._raw_pages
         raw = _step_metadata(raw_pages.layer_name)
-        compressed.write_raw(raw_pages.kv_cache, key, value, raw.slot_mapping[:n])
         plan = attn_metadata.plan(self.config, self._origins(layer), raw)
-        compressed.write_chunks(kv_cache, raw_pages.kv_cache, plan.writes, self.config, self.head_size)
-        out = compressed.attend(query, kv_cache, raw_pages.kv_cache, plan, self.scale)  # [n, Hq, Dv]
+        compressed.write_raw(raw_pages.kv_cache, step_rows, raw.slot_mapping[:n], plan.raw_writes)
+        compressed.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, self.config, self.head_size)
+        out = compressed.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale)  # [n, Hq, Dv]
         output[:n].view_as(out).copy_(out)
         return output
 

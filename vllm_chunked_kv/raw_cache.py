@@ -4,9 +4,10 @@ vLLM gives every layer registered in ``static_forward_context`` its own KV
 cache spec, cache group, block table and metadata builder. Each CHUNKED_KV
 attention layer registers one companion, ``<layer>.chunked_kv_raw``, whose
 sliding-window spec of ``window + chunk_size - 1`` tokens holds the raw
-rows (the pattern of DeepSeek-V4's compressor state caches). When sinks or
-staggered grid origins need leading rows kept for the whole request, the
-spec is a `SinkSlidingWindowSpec` (see `sink_window.py`).
+rows (the pattern of DeepSeek-V4's compressor state caches). The spec is a
+`RawWindowSpec` (`raw_window.py`): it also keeps leading rows for the whole
+request (sinks, positions before staggered grid origins) and allocates no
+page for rows that leave the window within their own step.
 
 The companion's page holds as many rows as a compressed page holds states,
 so both groups share vLLM's page size without padding. The attention layer
@@ -26,11 +27,11 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.sink_window import SinkSlidingWindowSpec
+from vllm_chunked_kv.raw_window import RawWindowSpec
 
 SUFFIX = ".chunked_kv_raw"
 
@@ -42,13 +43,16 @@ class RawPagesMetadata:
     block_table: torch.Tensor  # [num_reqs, max_raw_blocks]
     slot_mapping: torch.Tensor  # [num_tokens] flat raw slot of each new token
     block_size: int
+    sliding_window: int
+    sink_tokens: int
 
 
 class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.block_size = kv_cache_spec.block_size
+        assert isinstance(kv_cache_spec, RawWindowSpec)
+        self.spec = kv_cache_spec
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RawPagesMetadata:
@@ -56,7 +60,9 @@ class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
         return RawPagesMetadata(
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            block_size=self.block_size,
+            block_size=self.spec.block_size,
+            sliding_window=self.spec.sliding_window,
+            sink_tokens=self.spec.sink_tokens,
         )
 
 
@@ -105,17 +111,16 @@ class RawPagesLayer(torch.nn.Module, AttentionLayerBase):
         return RawPagesBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        fields = dict(
+        return RawWindowSpec(
             block_size=layout.states_per_block(self.cfg, vllm_config.cache_config.block_size),
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             head_size_v=self.head_size_v,
             dtype=self.dtype,
             sliding_window=layout.raw_window(self.cfg),
+            sink_tokens=self.forever_raw,
+            max_step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         )
-        if self.forever_raw:
-            return SinkSlidingWindowSpec(**fields, sink_tokens=self.forever_raw)
-        return SlidingWindowSpec(**fields)
 
     def forward(self):  # never called: the attention layer uses the cache
         raise NotImplementedError

@@ -2,10 +2,11 @@
 stored the way the backend stores it, chunked attention equals the reference.
 
 A small simulated pager plays vLLM's part: each request gets compressed
-pages (one state per `tokens_per_state` tokens) and raw pages; raw pages
-that a sliding window of `window + chunk_size` tokens would have dropped, and
-compressed rows never written, hold NaN, so reading any of them fails the
-test. Sequences are fed in random step splits (prefill, chunked prefill,
+pages (one state per `tokens_per_state` tokens) and raw pages; a raw page
+that leaves the sliding window within its own step is never allocated (it
+maps to a shared NaN page), raw rows before the window hold NaN (row by row,
+stricter than vLLM's whole pages) and so do compressed rows never written,
+so reading any of them fails the test. Sequences are fed in random step splits (prefill, chunked prefill,
 single-token decodes, mixed batches); every step's outputs equal
 `reference_chunked_attention` over the whole sequence within 1e-5, for every
 mitigation, pooling mode, sinks and staggered grids.
@@ -49,27 +50,30 @@ class Pager:
         self.cfg, self.origins, self.block_size = cfg, origins, block_size
         self.per_block = layout.states_per_block(cfg, block_size)
         self.raw_block_size = self.per_block  # equal pages, as the backend declares them
+        self.keep = layout.forever_raw(cfg, origins)
         row = 2 * HEAD_SIZE
         self.comp = torch.full((64 * num_reqs, NUM_KV_HEADS, self.per_block, row), float("nan"))
         self.raw = torch.full((256 * num_reqs, NUM_KV_HEADS, self.raw_block_size, row), float("nan"))
         self.free_comp = list(range(1, self.comp.shape[0]))
-        self.free_raw = list(range(1, self.raw.shape[0]))
+        self.free_raw = list(range(1, self.raw.shape[0]))  # page 0 is the null page
         self.tables = [([], []) for _ in range(num_reqs)]
 
     def allocate(self, r: int, seq_len: int) -> None:
         comp, raw = self.tables[r]
         while len(comp) * self.block_size < seq_len:
             comp.append(self.free_comp.pop(0))
+        sink_pages = -(-self.keep // self.raw_block_size)
+        dead_until = max(0, seq_len - layout.raw_window(self.cfg) + 1) // self.raw_block_size
         while len(raw) * self.raw_block_size < seq_len:
-            raw.append(self.free_raw.pop(0))
+            dead = sink_pages <= len(raw) < dead_until
+            raw.append(0 if dead else self.free_raw.pop(0))
 
     def drop_outside_window(self, r: int, computed: int) -> None:
         """Poison every raw row before the sliding window but the forever-raw
         ones (stricter than vLLM, which drops whole pages only)."""
-        keep = layout.forever_raw(self.cfg, self.origins)
         first_kept = max(0, computed - layout.raw_window(self.cfg) + 1)
         raw = self.tables[r][1]
-        for j in range(keep, first_kept):
+        for j in range(self.keep, first_kept):
             self.raw[raw[j // self.raw_block_size], :, j % self.raw_block_size] = float("nan")
 
     def batch(self, steps: list[tuple[int, int, int]]) -> PagedBatch:
@@ -86,7 +90,19 @@ class Pager:
             block_size=self.block_size,
             raw_block_table=torch.tensor([pad(self.tables[r][1]) for r, _, _ in steps]),
             raw_block_size=self.raw_block_size,
+            raw_window=layout.raw_window(self.cfg),
+            raw_sink_tokens=self.keep,
         )
+
+    def check_pages_complete(self, r: int, start: int, end: int) -> None:
+        """Every existing raw page holds all its computed rows that were not
+        dropped: prefix caching may hand the page to another request."""
+        first_kept = max(0, start - layout.raw_window(self.cfg) + 1)
+        raw = self.tables[r][1]
+        for j in [*range(self.keep), *range(first_kept, end)][:end]:
+            page = raw[j // self.raw_block_size]
+            if page:
+                assert self.raw[page, :, j % self.raw_block_size].isfinite().all(), f"raw row {j} missing"
 
     def raw_slots(self, steps) -> torch.Tensor:
         slots = []
@@ -101,7 +117,7 @@ def run_schedule(cfg: ChunkedKVConfig, origins: list[int], lengths: list[int], s
                  decode_only: bool = False) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    block_size = 2 * cfg.hop * rng.choice([1, 2])
+    block_size = cfg.hop * rng.choice([2, 4, 16])  # raw pages shorter and longer than the window
     pager = Pager(cfg, origins, block_size, len(lengths))
     q = [torch.randn(n, NUM_KV_HEADS * GROUP, HEAD_SIZE, generator=gen) for n in lengths]
     k = [torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, generator=gen) * 2 for n in lengths]
@@ -124,11 +140,14 @@ def run_schedule(cfg: ChunkedKVConfig, origins: list[int], lengths: list[int], s
         key = torch.cat([k[r][lo:hi] for r, lo, hi in steps])  # [n, Hkv, D]
         value = torch.cat([v[r][lo:hi] for r, lo, hi in steps])
         query = torch.cat([q[r][lo:hi] for r, lo, hi in steps])  # [n, Hq, D]
-        compressed.write_raw(pager.raw, key, value, pager.raw_slots(steps))
-        compressed.write_chunks(pager.comp, pager.raw, plan.writes, cfg, HEAD_SIZE)
-        out = compressed.attend(query, pager.comp, pager.raw, plan, scale=0.5)
+        step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, 2 * D]
+        compressed.write_raw(pager.raw, step_rows, pager.raw_slots(steps), plan.raw_writes)
+        assert not pager.raw[0].isfinite().any(), "a row was written to the null page"
+        compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, HEAD_SIZE)
+        out = compressed.attend(query, step_rows, pager.comp, pager.raw, plan, scale=0.5)
         got = torch.split(out, [hi - lo for _, lo, hi in steps])
         for (r, lo, hi), rows in zip(steps, got):
+            pager.check_pages_complete(r, lo, hi)
             torch.testing.assert_close(rows, want[r][lo:hi], atol=1e-5, rtol=1e-5)
             done[r] = hi
 

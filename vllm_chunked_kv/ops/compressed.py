@@ -3,12 +3,14 @@
 Per layer and step (see `layout.py` for where rows live, `step_plan.py` for
 the indices):
 
-1. `write_raw`: store the step's new K/V rows in the raw pages;
+1. `write_raw`: store the step's new K/V rows that outlive the step in the
+   raw pages;
 2. `write_chunks`: pool every chunk completed in this step from its raw rows
-   and store the pooled row (and, with boundary retention, its first and
-   last raw rows) in the compressed pages;
+   (stored, or the step's own) and store the pooled row (and, with boundary
+   retention, its first and last raw rows) in the compressed pages;
 3. `attend`: one softmax per query over sinks + sealed compressed rows + the
-   raw region, every request's key set gathered from both page sets.
+   raw region, every request's key set gathered from both page sets and the
+   step's own rows.
 
 Caches are ``[num_blocks, num_kv_heads, rows_per_block, head_size +
 head_size_v]`` (keys then values), raw pages with one row per token,
@@ -27,49 +29,51 @@ from vllm_chunked_kv.ops import reference
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, StepPlan
 
 
-def write_raw(raw_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store one row per token at flat slot ``block * raw_block_size + offset``.
+def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Store the rows of `tokens` at their flat slots ``block * raw_block_size + offset``.
 
-    key ``[n, Hkv, Dk]``, value ``[n, Hkv, Dv]``, slots ``[n]`` (negative: padding, skipped).
+    step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V), slots ``[n]`` (vLLM's
+    slot mapping of the raw pages), tokens ``[w]`` (the rows to store).
     """
-    keep = slots >= 0
-    if not bool(keep.all()):
-        key, value, slots = key[keep], value[keep], slots[keep]
+    slots = slots[tokens]  # [w]
     block_size = raw_cache.shape[2]
-    rows = torch.cat([key, value], dim=-1).to(raw_cache.dtype)  # [n, Hkv, Dk + Dv]
-    raw_cache[slots // block_size, :, slots % block_size, :] = rows
+    raw_cache[slots // block_size, :, slots % block_size, :] = step_rows[tokens].to(raw_cache.dtype)
 
 
-def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, writes: ChunkWrites, cfg: ChunkedKVConfig,
-                 head_size: int) -> None:
+def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
+                 cfg: ChunkedKVConfig, head_size: int) -> None:
     """Pool the chunks completed in this step into their compressed slots."""
     if writes.zero_heads.numel():
         comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
     if not writes.heads.numel():
         return
-    rows = raw_cache[writes.src_blocks, writes.heads[:, None], writes.src_offsets]  # [M, chunk_size, Dk + Dv]
+    stored = raw_cache[writes.src_blocks, writes.heads[:, None], writes.src_offsets]  # [M, chunk_size, Dk + Dv]
+    own = step_rows[writes.src_step.clamp(min=0), writes.heads[:, None]]  # [M, chunk_size, Dk + Dv]
+    rows = torch.where((writes.src_step >= 0)[..., None], own.to(stored.dtype), stored)  # [M, chunk_size, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
     if len(cfg.pooled_slots):
         key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
         pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
     else:  # no interior: the pooled slot is never attended
         pooled = torch.zeros_like(rows[:, 0])
-    stored = [pooled] + ([rows[:, 0], rows[:, -1]] if layout.slots_per_group(cfg) == 3 else [])
-    stored_t = torch.stack(stored, dim=1)  # [M, slots_per_group, Dk + Dv]
-    comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = stored_t
+    kept = [pooled] + ([rows[:, 0], rows[:, -1]] if layout.slots_per_group(cfg) == 3 else [])
+    comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = torch.stack(kept, dim=1)
 
 
-def attend(query: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor, plan: StepPlan,
-           scale: float) -> torch.Tensor:
-    """Attention of every query token of the step: query ``[n, Hq, D]`` ->
-    ``[n, Hq, Dv]`` in the query dtype (fp32 math)."""
+def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
+           plan: StepPlan, scale: float) -> torch.Tensor:
+    """Attention of every query token of the step: query ``[n, Hq, D]``,
+    step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V) -> ``[n, Hq, Dv]`` in the
+    query dtype (fp32 math)."""
     n, num_heads, head_size = query.shape
     out = query.new_empty(n, num_heads, raw_cache.shape[-1] - head_size)
     for keys in plan.key_sets:
         raw = raw_cache[keys.raw_blocks, :, keys.raw_offsets]  # [b, Nr, Hkv, Dk + Dv]
+        raw = raw.masked_fill(keys.raw_padding[:, :, None, None], 0)  # padding may hold stale bytes
+        own = step_rows[keys.query_index].to(raw.dtype)  # [b, L, Hkv, Dk + Dv]
         comp = comp_cache[keys.comp_blocks, :, keys.comp_offsets]  # [b, Nc, Hkv, Dk + Dv]
-        comp = comp.masked_fill(keys.comp_padding[:, :, None, None], 0)  # padding may hold stale bytes
-        rows = torch.cat([raw, comp], dim=1).float().transpose(1, 2)  # [b, Hkv, N, Dk + Dv]
+        comp = comp.masked_fill(keys.comp_padding[:, :, None, None], 0)
+        rows = torch.cat([raw, own, comp], dim=1).float().transpose(1, 2)  # [b, Hkv, N, Dk + Dv]
         b, num_kv_heads, num_rows, _ = rows.shape
         group = num_heads // num_kv_heads
         num_q = keys.query_index.shape[1]

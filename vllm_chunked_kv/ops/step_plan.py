@@ -3,14 +3,17 @@
 Built once per step (and per set of grid origins) from vLLM's metadata of
 both cache groups, then reused by every layer:
 
+- `raw_writes`: the step's tokens whose raw rows outlive the step (the raw
+  pages of the others were never allocated: `raw_window.py`);
 - `ChunkWrites`: the chunks whose last token this step computes, with the
-  raw rows they pool from and the compressed slots they are written to
-  (`layout.py` says where);
-- `KeySet`s: for a set of query tokens, which raw rows and which compressed
-  slots to gather, and the additive bias (``-inf`` hidden, ``0`` raw,
-  ``log_weight`` on pooled rows) that turns plain attention over them into
-  DESIGN.md §3 attention. All single-token (decode) requests share one
-  padded `KeySet`; every multi-token request gets its own.
+  rows they pool from (stored raw rows before the step, the step's own K/V
+  after) and the compressed slots they are written to (`layout.py`);
+- `KeySet`s: for a set of query tokens, which stored raw rows, which of the
+  step's own rows and which compressed slots to attend to, and the additive
+  bias (``-inf`` hidden, ``0`` raw, ``log_weight`` on pooled rows) that turns
+  plain attention over them into DESIGN.md §3 attention. All single-token
+  (decode) requests share one padded `KeySet`; every multi-token request
+  gets its own.
 
 Python loops here run per request (or per request and KV head) on
 metadata, never per token or per layer.
@@ -36,6 +39,19 @@ class PagedBatch:
     block_size: int  # tokens per compressed page
     raw_block_table: torch.Tensor  # [num_reqs, max_raw_blocks] raw pages
     raw_block_size: int  # tokens per raw page
+    raw_window: int  # sliding window of the raw pages (their spec's)
+    raw_sink_tokens: int  # leading positions whose raw pages are kept (their spec's)
+
+    def first_position(self, r: int) -> int:
+        """Position of request r's first token in this step."""
+        return self.seq_lens[r] - (self.query_start[r + 1] - self.query_start[r])
+
+    def stored_from(self, r: int) -> int:
+        """First position after the sinks whose raw page exists once the step is
+        done: pages wholly before the window at the end of the step are never
+        allocated (`RawWindowManager`)."""
+        dead_until = max(0, self.seq_lens[r] - self.raw_window + 1) // self.raw_block_size
+        return dead_until * self.raw_block_size
 
 
 @dataclass
@@ -43,8 +59,9 @@ class ChunkWrites:
     """Chunks completed in this step: pool raw rows into compressed slots."""
 
     heads: torch.Tensor  # [M] KV head of each chunk
-    src_blocks: torch.Tensor  # [M, chunk_size] raw page of each row of the chunk
+    src_blocks: torch.Tensor  # [M, chunk_size] raw page of each row stored before the step
     src_offsets: torch.Tensor  # [M, chunk_size]
+    src_step: torch.Tensor  # [M, chunk_size] token index of each row computed in this step, -1 if stored
     dst_blocks: torch.Tensor  # [M, slots_per_group] compressed page of each stored row
     dst_offsets: torch.Tensor  # [M, slots_per_group]
     zero_heads: torch.Tensor  # [Z] slots below a head's first group, written as zeros
@@ -56,17 +73,19 @@ class ChunkWrites:
 class KeySet:
     """Rows attended by `num_queries` query tokens of each of `batch` requests."""
 
-    query_index: torch.Tensor  # [batch, num_queries] token index into the step's queries
-    raw_blocks: torch.Tensor  # [batch, Nr] raw page of each raw row
+    query_index: torch.Tensor  # [batch, L] token index of each query; its rows are the step's own raw rows
+    raw_blocks: torch.Tensor  # [batch, Nr] raw page of each raw row stored before the step
     raw_offsets: torch.Tensor  # [batch, Nr]
+    raw_padding: torch.Tensor  # [batch, Nr] True where the row is padding (zeroed)
     comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot
     comp_offsets: torch.Tensor  # [batch, Nc]
     comp_padding: torch.Tensor  # [batch, Nc] True where the slot is padding (zeroed)
-    bias: torch.Tensor  # [batch, Hkv, num_queries, Nr + Nc], fp32
+    bias: torch.Tensor  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
 
 
 @dataclass
 class StepPlan:
+    raw_writes: torch.Tensor  # [W] token indices whose raw rows are stored
     writes: ChunkWrites
     key_sets: list[KeySet]
 
@@ -79,10 +98,26 @@ def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int]) -> S
     decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
     key_sets = [_key_set(batch, cfg, origins, decodes)] if decodes else []
     key_sets += [_key_set(batch, cfg, origins, [r]) for r in range(num_reqs) if q_lens[r] > 1]
-    return StepPlan(writes=_chunk_writes(batch, cfg, origins, q_lens, device), key_sets=key_sets)
+    return StepPlan(raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, origins, q_lens, device),
+                    key_sets=key_sets)
 
 
 # ------------------------------------------------------------------- writes
+
+
+def _raw_writes(batch: PagedBatch) -> torch.Tensor:
+    """Tokens whose raw page exists: the sink pages, the rest of a page begun
+    before the step, and the pages of the window at the end of the step. Every
+    existing page is written in full, so prefix caching may share it."""
+    sink_end = -(-batch.raw_sink_tokens // batch.raw_block_size) * batch.raw_block_size
+    kept = []
+    for r, seq_len in enumerate(batch.seq_lens):
+        first = batch.first_position(r)
+        begun_end = -(-first // batch.raw_block_size) * batch.raw_block_size
+        positions = set(range(first, min(max(sink_end, begun_end), seq_len)))
+        positions.update(range(max(first, batch.stored_from(r)), seq_len))
+        kept += [batch.query_start[r] + j - first for j in sorted(positions)]
+    return torch.tensor(kept, dtype=torch.long, device=batch.block_table.device)
 
 
 def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q_lens: list[int],
@@ -113,6 +148,10 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
     origin = torch.tensor(origins, **long)[head]  # [M]
     positions = (origin + k * cfg.hop)[:, None] + torch.arange(cfg.chunk_size, **long)  # [M, chunk_size]
     src_blocks = batch.raw_block_table[req[:, None], positions // batch.raw_block_size]  # [M, chunk_size]
+    firsts_t = torch.tensor([batch.first_position(r) for r in range(len(batch.seq_lens))], **long)  # [R]
+    starts_t = torch.tensor(batch.query_start[:-1], **long)  # [R]
+    in_step = positions >= firsts_t[req][:, None]  # [M, chunk_size]
+    src_step = torch.where(in_step, starts_t[req][:, None] + positions - firsts_t[req][:, None], -1)
     group = k + (origin + cfg.chunk_size - 1) // cfg.hop  # [M] slot group (layout.first_group + k)
     slots = (group * spg)[:, None] + torch.arange(spg, **long)  # [M, spg]
     dst_blocks = batch.block_table[req[:, None], slots // per_block]  # [M, spg]
@@ -122,6 +161,7 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
         heads=head,
         src_blocks=src_blocks.long(),
         src_offsets=positions % batch.raw_block_size,
+        src_step=src_step,
         dst_blocks=dst_blocks.long(),
         dst_offsets=slots % per_block,
         zero_heads=torch.tensor(zero_heads, **long),
@@ -142,32 +182,30 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
     keep = layout.forever_raw(cfg, origins)
     raw_pos, num_slots, queries = [], [], []
     for r in reqs:
-        seq_len, q_start = batch.seq_lens[r], batch.query_start[r]
-        first = seq_len - (batch.query_start[r + 1] - q_start)  # position of the first query
+        seq_len, first = batch.seq_lens[r], batch.first_position(r)
         window_from = min(layout.raw_from(cfg, first, o) for o in origins)
-        tail_from = min(max(keep, window_from), seq_len)
-        raw_pos.append(list(range(min(keep, seq_len))) + list(range(tail_from, seq_len)))
+        # Stored raw rows: kept leading rows and the raw region before the step.
+        raw_pos.append(list(range(min(keep, first))) + list(range(min(max(keep, window_from), first), first)))
         groups = [layout.first_group(cfg, o) + layout.num_sealed(cfg, seq_len - 1, o)
                   for o in origins if layout.num_sealed(cfg, seq_len - 1, o)]
         num_slots.append(spg * max(groups, default=0))
         queries.append(list(range(first, seq_len)))
-    num_raw, num_comp, num_q = max(map(len, raw_pos)), max(num_slots), max(map(len, queries))
+    num_raw, num_comp = max(map(len, raw_pos)), max(num_slots)
     req_t = torch.tensor(reqs, **long)[:, None]  # [b, 1]
-    seq_len_t = torch.tensor([batch.seq_lens[r] for r in reqs], **long)[:, None]  # [b, 1]
-    # Padding raw rows read the request's newest row (always stored) and are masked.
-    raw_t = torch.stack([torch.tensor(p + [p[-1]] * (num_raw - len(p)), **long) for p in raw_pos])  # [b, Nr]
-    raw_valid = torch.arange(num_raw, **long)[None, :] < torch.tensor([len(p) for p in raw_pos], **long)[:, None]
+    raw_t = torch.tensor([p + [0] * (num_raw - len(p)) for p in raw_pos], **long).view(len(reqs), num_raw)  # [b, Nr]
+    raw_padding = torch.arange(num_raw, **long)[None, :] >= torch.tensor([len(p) for p in raw_pos], **long)[:, None]
     slot_t = torch.arange(num_comp, **long)[None, :].expand(len(reqs), -1)  # [b, Nc]
     comp_padding = slot_t >= torch.tensor(num_slots, **long)[:, None]  # [b, Nc]
     slot_t = slot_t.masked_fill(comp_padding, 0)
-    t = torch.stack([torch.tensor(q + [q[-1]] * (num_q - len(q)), **long) for q in queries])  # [b, L]
-    q_index = t - (seq_len_t - torch.tensor([batch.query_start[r + 1] for r in reqs], **long)[:, None])  # [b, L]
+    t = torch.tensor(queries, **long)  # [b, L]: one query each, or one request's queries
+    q_index = t - t[:, :1] + torch.tensor([batch.query_start[r] for r in reqs], **long)[:, None]  # [b, L]
     per_block = layout.states_per_block(cfg, batch.block_size)
-    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, raw_valid, slot_t, ~comp_padding)
+    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, ~comp_padding)
     return KeySet(
         query_index=q_index,
         raw_blocks=batch.raw_block_table[req_t, raw_t // batch.raw_block_size].long(),
         raw_offsets=raw_t % batch.raw_block_size,
+        raw_padding=raw_padding,
         comp_blocks=batch.block_table[req_t, slot_t // per_block].long(),
         comp_offsets=slot_t % per_block,
         comp_padding=comp_padding,
@@ -177,16 +215,18 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
 
 def _bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos: torch.Tensor,
           raw_valid: torch.Tensor, slots: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
-    """Additive mask ``[b, Hkv, L, Nr + Nc]`` for queries at positions ``t [b, L]``
-    over raw rows at ``raw_pos [b, Nr]`` and compressed ``slots [b, Nc]``."""
+    """Additive mask ``[b, Hkv, L, Nr + L + Nc]`` for queries at positions ``t
+    [b, L]`` over stored raw rows at ``raw_pos [b, Nr]``, the queries' own
+    rows, and compressed ``slots [b, Nc]``."""
     hop, chunk_size = cfg.hop, cfg.chunk_size
     q = t[:, None, :, None]  # [b, 1, L, 1]
     o = origins[None, :, None, None]  # [1, Hkv, 1, 1]
     slack = q - cfg.window - (o + chunk_size - 1)  # [b, Hkv, L, 1]
     sealed = torch.where(slack >= 0, torch.div(slack, hop, rounding_mode="floor") + 1, 0)  # [b, Hkv, L, 1]
     raw_from = torch.where(sealed > 0, o + (sealed - 1) * hop + chunk_size, o)  # [b, Hkv, L, 1]
-    j = raw_pos[:, None, None, :]  # [b, 1, 1, Nr]
-    raw_vis = ((j < cfg.sink_tokens) | (j < o) | (j >= raw_from)) & (j <= q) & raw_valid[:, None, None, :]
+    j = torch.cat([raw_pos, t], dim=1)[:, None, None, :]  # [b, 1, 1, Nr + L] stored rows, then the step's
+    valid = torch.cat([raw_valid, torch.ones_like(t, dtype=torch.bool)], dim=1)[:, None, None, :]
+    raw_vis = ((j < cfg.sink_tokens) | (j < o) | (j >= raw_from)) & (j <= q) & valid  # [b, Hkv, L, Nr + L]
     spg = layout.slots_per_group(cfg)
     s = slots[:, None, None, :]  # [b, 1, 1, Nc]
     kind = s % spg  # 0 pooled row, 1 first token, 2 last token
@@ -201,6 +241,6 @@ def _bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos:
         slot_vis &= kind != 0
     slot_bias = torch.where(kind == 0, cfg.log_weight, 0.0).to(torch.float32)  # [b, 1, 1, Nc]
     zeros = torch.zeros((), dtype=torch.float32, device=t.device)
-    raw_bias = torch.where(raw_vis, zeros, float("-inf"))  # [b, Hkv, L, Nr]
+    raw_bias = torch.where(raw_vis, zeros, float("-inf"))  # [b, Hkv, L, Nr + L]
     slot_bias = torch.where(slot_vis, slot_bias, float("-inf"))  # [b, Hkv, L, Nc]
-    return torch.cat([raw_bias, slot_bias], dim=-1)  # [b, Hkv, L, Nr + Nc]
+    return torch.cat([raw_bias, slot_bias], dim=-1)  # [b, Hkv, L, Nr + L + Nc]

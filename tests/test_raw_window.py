@@ -1,0 +1,140 @@
+"""Contract of vllm_chunked_kv.raw_window, driven through vLLM's own BlockPool:
+
+- a step gets pages only for the sinks and for its window at the end of the
+  step (the predicted count is what it takes from the pool, and the new
+  pages it reports, nulls included, keep the worker's block table aligned
+  with the scheduler's); pages before
+  the window are dropped from the first page after the sinks on, also when
+  earlier steps left never-allocated pages in between (nothing leaks);
+- a prefix-cache hit past the window brings the cached sink pages along (a
+  hit whose sink pages are not cached shrinks to the cached prefix), and a
+  new request adopting it holds sinks, nulls, then the window pages, taking
+  from the pool exactly what was predicted;
+- pool sizing counts the sink pages, the window, and one window per step in
+  flight, however many tokens a step may hold;
+- the spec is in vLLM's registry with its manager.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHash
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from vllm_chunked_kv.raw_window import RawWindowManager, RawWindowSpec
+
+BLOCK = 4
+SPEC = RawWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=7,
+                     sink_tokens=6, max_step_tokens=64)  # 2 sink pages; the window needs 2 pages
+HASHES = [bytes([i]) for i in range(16)]
+
+
+def make_manager(pool: BlockPool) -> RawWindowManager:
+    return RawWindowManager(SPEC, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+                            scheduler_block_size=BLOCK)
+
+
+def request(name: str, hashes: list[bytes]):
+    return SimpleNamespace(request_id=name, block_hashes=[BlockHash(h) for h in hashes], shared_prefix_boundary=0,
+                           lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None)
+
+
+WORKER_TABLES: dict[str, list[int]] = {}  # what vLLM's worker builds from the returned new blocks
+
+
+def step(manager: RawWindowManager, req, start: int, end: int) -> None:
+    """One scheduler step computing positions [start, end), as vLLM's allocate_slots does it."""
+    manager.remove_skipped_blocks(req.request_id, start)
+    free = manager.block_pool.get_num_free_blocks()
+    predicted = manager.get_num_blocks_to_allocate(req.request_id, end, [], start, start, end)
+    new = manager.allocate_new_blocks(req.request_id, end, end)
+    assert free - manager.block_pool.get_num_free_blocks() == predicted
+    table = WORKER_TABLES.setdefault(req.request_id, [])
+    table += [block.block_id for block in new]
+    assert len(table) == len(manager.req_to_blocks[req.request_id])  # page i is entry i on the worker too
+    manager.cache_blocks(req, end, replay_boundaries=[])
+
+
+def held(manager: RawWindowManager, name: str) -> list[int | None]:
+    return [None if b.is_null else b.block_id for b in manager.req_to_blocks[name]]
+
+
+def test_one_step_gets_sinks_and_window_pages_only():
+    WORKER_TABLES.clear()
+    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+    manager = make_manager(pool)
+    step(manager, request("a", HASHES), 0, 40)  # rows from 34 on outlive the step: pages 8, 9
+    pages = held(manager, "a")
+    assert None not in pages[:2] and pages[2:8] == [None] * 6 and None not in pages[8:]
+
+
+def test_window_drops_all_but_sink_pages_without_leaks():
+    WORKER_TABLES.clear()
+    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+    manager = make_manager(pool)
+    req = request("a", HASHES)
+    bounds = [0, 12, 16, 20, 40, 44, 45, 60]  # prefill, decode-sized steps, a long step, more
+    for start, end in zip(bounds, bounds[1:]):
+        step(manager, req, start, end)
+    manager.remove_skipped_blocks("a", 60)  # window keeps positions >= 54: pages 13, 14
+    pages = held(manager, "a")
+    assert None not in pages[:2] and pages[2:13] == [None] * 11 and None not in pages[13:]
+    assert pool.get_num_free_blocks() == 64 - 1 - 4  # the null page, 2 sinks, 2 window pages
+
+
+def test_hit_brings_sink_pages_and_is_adopted():
+    WORKER_TABLES.clear()
+    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+    manager = make_manager(pool)
+    req = request("a", HASHES)
+    for start, end in [(0, 12), (12, 24), (24, 32), (32, 40)]:
+        step(manager, req, start, end)
+    ids = held(manager, "a")
+    manager.remove_skipped_blocks("a", 40)
+    manager.free("a")
+
+    (hit,), length = RawWindowManager.find_longest_cache_hit(
+        [BlockHash(h) for h in HASHES[:10]], 40, [0], pool, SPEC, False, BLOCK)
+    assert length == 40
+    assert [b.block_id for b in hit[:2]] == ids[:2] and [b.block_id for b in hit[8:]] == ids[8:10]
+    assert all(b.is_null for b in hit[2:8])
+
+    free_before = pool.get_num_free_blocks()
+    needed = manager.get_num_blocks_to_allocate("b", 44, hit, 40, 40, 44)
+    assert needed == 1 + 4  # one new page; 2 sink and 2 window hits leave the free queue
+    manager.add_local_computed_blocks("b", hit, 40, 0)
+    manager.allocate_new_blocks("b", 44, 44)
+    pages = held(manager, "b")
+    assert pages[:2] == ids[:2] and pages[8:10] == ids[8:10]
+    assert pages[2:8] == [None] * 6 and pages[10] is not None
+    assert pool.get_num_free_blocks() == free_before - needed
+
+
+def test_hit_without_cached_sink_pages_shrinks():
+    WORKER_TABLES.clear()
+    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+    manager = make_manager(pool)
+    req = request("a", HASHES)
+    for start, end in [(0, 12), (12, 24), (24, 40)]:
+        step(manager, req, start, end)
+    manager.remove_skipped_blocks("a", 40)
+    manager.free("a")
+    other = [HASHES[0]] + [bytes([100 + i]) for i in range(1, 8)] + HASHES[8:10]  # second sink page differs
+    (hit,), length = RawWindowManager.find_longest_cache_hit(
+        [BlockHash(h) for h in other], 40, [0], pool, SPEC, False, BLOCK)
+    assert length == BLOCK and len(hit) == 1  # only the cached first page remains
+
+
+def test_sizing_counts_sinks_window_and_steps_in_flight():
+    no_sinks = RawWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=7,
+                             max_step_tokens=64)
+    one_step = no_sinks.max_admission_blocks_per_request(64, 4096)
+    assert SPEC.max_admission_blocks_per_request(64, 4096) == one_step + 2
+    assert no_sinks.max_admission_blocks_per_request(128, 4096) == one_step + 3  # async: two steps in flight
+    bigger_steps = RawWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                                 sliding_window=7, max_step_tokens=8192)
+    assert bigger_steps.max_admission_blocks_per_request(8192, 65536) == one_step
+    assert KVCacheSpecRegistry.get_manager_class(SPEC) is RawWindowManager

@@ -1,0 +1,207 @@
+"""The KV cache spec and manager of CHUNKED_KV's raw pages.
+
+`RawWindowSpec` is vLLM's `SlidingWindowSpec` with two changes, carried out
+by `RawWindowManager` (a `SlidingWindowManager`):
+
+- **sinks**: the pages holding positions ``[0, sink_tokens)`` stay with the
+  request for its whole life, and a prefix-cache hit brings them along (a
+  hit whose sink pages are not cached shrinks to the cached prefix). CHUNKED_KV
+  keeps sinks (DESIGN.md §3) and the positions before a staggered grid
+  origin (§10) there.
+- **no pages for rows that leave the window within their own step**: a step
+  computing positions ``[start, end)`` needs stored rows only from ``end -
+  sliding_window + 1`` on (the step reads its own rows from its K/V
+  tensors), so pages wholly before that get the null block instead of a
+  page. vLLM's sliding-window manager allocates pages for every token of a
+  step and reserves ``max_num_batched_tokens`` more tokens per request for it;
+  here a request holds at most the sink pages, the window before the step,
+  and one window per step in flight.
+
+Both are registered with vLLM's `KVCacheSpecRegistry` when this module is
+imported (the engine process imports it when it unpickles a spec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock, resolve_block_hashes
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawWindowSpec(SlidingWindowSpec):
+    sink_tokens: int = 0
+    """Leading positions whose pages are never dropped."""
+    max_step_tokens: int
+    """Most tokens one step computes (vLLM's max_num_batched_tokens)."""
+
+    @property
+    def sink_blocks(self) -> int:
+        return cdiv(self.sink_tokens, self.block_size)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Sink pages, the window's pages before the oldest step in flight,
+        and per step in flight the pages of its own window."""
+        window = min(self.sliding_window - 1, max_model_len)
+        steps = max(1, cdiv(max_in_flight_tokens, self.max_step_tokens))
+        per_step = cdiv(min(self.max_step_tokens, window), self.block_size) + 1
+        held = self.sink_blocks + cdiv(window, self.block_size) + 1 + steps * per_step
+        return min(held, cdiv(max_model_len, self.block_size) + 1)
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        return all(isinstance(spec, RawWindowSpec) and spec == self for spec in kv_cache_specs.values())
+
+
+class RawWindowManager(SlidingWindowManager):
+    def __init__(self, kv_cache_spec: RawWindowSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sink_blocks = cdiv(kv_cache_spec.sink_tokens, self.block_size)
+        self._dropped_until: dict[str, int] = {}  # per request: pages [sink_blocks, n) are null
+
+    def _dead_until(self, num_tokens_main_model: int) -> int:
+        """Pages wholly before the window at the end of a step are never stored."""
+        return max(0, num_tokens_main_model - self.sliding_window + 1) // self.block_size
+
+    # ------------------------------------------------------------ dropping
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        skipped = min(self.get_num_skipped_tokens(processed_computed_tokens) // self.block_size, len(blocks))
+        start = max(self.sink_blocks, self._dropped_until.get(request_id, 0))
+        freed = [blocks[i] for i in range(skipped - 1, start - 1, -1) if not blocks[i].is_null]
+        for i in range(start, skipped):
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+        self._dropped_until[request_id] = max(start, skipped)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._dropped_until.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+    # ---------------------------------------------------------- allocating
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock], total_computed_tokens: int,
+                                   num_local_computed_tokens: int, num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False, prefill_end: int = 0) -> int:
+        needed = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
+            num_tokens_main_model, apply_admission_cap, prefill_end)
+        held = len(self.req_to_blocks.get(request_id, ()))
+        running = request_id in self.num_cached_block
+        if not running and new_computed_blocks:
+            # The base class counts hit pages before the window as dropped; the
+            # sink pages among them are kept, and may be eviction candidates.
+            skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+            kept_sinks = new_computed_blocks[: min(self.sink_blocks, max(0, skipped - held))]
+            needed += self._get_num_evictable_blocks(kept_sinks)
+        if apply_admission_cap:
+            return needed  # the whole-sequence admission gate: bounded by the spec's cap
+        if not running:
+            skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+            held = max(skipped if skipped > self.sink_blocks else 0, held + len(new_computed_blocks))
+        return needed - self._num_dead(held, num_tokens, num_tokens_main_model)
+
+    def _num_dead(self, held: int, num_tokens: int, num_tokens_main_model: int) -> int:
+        """New pages of a step that get the null block (see `allocate_new_blocks`)."""
+        hi = min(self._dead_until(num_tokens_main_model), cdiv(num_tokens, self.block_size))
+        return max(0, hi - max(held, self.sink_blocks))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks[request_id]
+        held = len(req_blocks)
+        dead = self._num_dead(held, num_tokens, num_tokens_main_model)
+        if not dead:
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        first_dead = max(held, self.sink_blocks)
+        new = super().allocate_new_blocks(request_id, first_dead * self.block_size, num_tokens_main_model)
+        nulls = [self._null_block] * dead
+        req_blocks.extend(nulls)
+        # The worker appends the returned ids to its block table: nulls included, in order.
+        return new + nulls + super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+
+    # -------------------------------------------------------- prefix cache
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+        req_blocks = self.req_to_blocks[request_id]
+        assert not req_blocks
+        computed = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.get_num_skipped_tokens(computed) // self.block_size
+        blocks = list(new_computed_blocks)
+        if skipped > self.sink_blocks:
+            assert len(blocks) >= self.sink_blocks, "a cache hit past the window must include the sink pages"
+            blocks = blocks[: self.sink_blocks] + [self._null_block] * (skipped - self.sink_blocks) + blocks[skipped:]
+            self._dropped_until[request_id] = skipped
+        kept = [block for block in blocks if not block.is_null]
+        if self.enable_caching:
+            self.block_pool.touch(kept)
+        else:
+            assert not kept, "Computed blocks should be empty when prefix caching is disabled"
+        req_blocks.extend(blocks)
+        self.num_cached_block[request_id] = len(req_blocks)
+        assert not self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens), (
+            "sliding-window hits end on a page boundary")
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int, kv_cache_group_ids: list[int],
+                               block_pool: BlockPool, kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int, dcp_world_size: int = 1,
+                               pcp_world_size: int = 1) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        computed, _ = super().find_longest_cache_hit(
+            block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block,
+            alignment_tokens, dcp_world_size, pcp_world_size)
+        assert isinstance(kv_cache_spec, RawWindowSpec)
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size,
+                                      alignment_tokens=alignment_tokens)
+        for j in range(min(kv_cache_spec.sink_blocks, len(computed[0]))):
+            if not computed[0][j].is_null:
+                continue
+            cached = block_pool.get_cached_block(hashes[j], kv_cache_group_ids)
+            if cached is None:  # the hit can only be a wholly cached prefix [0, j)
+                for blocks in computed:
+                    del blocks[j:]
+                while computed[0] and len(computed[0]) * block_size % alignment_tokens:
+                    for blocks in computed:
+                        blocks.pop()
+                break
+            for blocks, block in zip(computed, cached):
+                blocks[j] = block
+        return computed, len(computed[0]) * block_size
+
+    @classmethod
+    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool, retention_interval: int | None = None,
+                             reachable_boundaries: Sequence[int] = (), dcp_world_size: int = 1,
+                             final_segment_end_block: int | None = None) -> list[bool] | None:
+        mask = super().reachable_block_mask(
+            start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle, retention_interval,
+            reachable_boundaries, dcp_world_size, final_segment_end_block)
+        if mask is None:
+            return None
+        assert isinstance(kv_cache_spec, RawWindowSpec)
+        for i in range(start_block, min(end_block, kv_cache_spec.sink_blocks)):
+            mask[i - start_block] = True  # every hit needs the sink pages
+        return mask
+
+
+def register() -> None:
+    """Add the spec to vLLM's registry (vLLM's own specs first: the registry
+    fills itself only while empty)."""
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(RawWindowSpec, RawWindowManager, uniform_type_base_spec=RawWindowSpec)
+
+
+register()
