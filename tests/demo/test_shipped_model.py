@@ -7,7 +7,10 @@
 - the needle-phase sweep shows what the demo exists for: with full attention
   the best - worst phase gap's 95% interval includes zero, under the
   compression the model was fine-tuned with (mean pooling, chunk 4) the gap's
-  95% interval lies above zero.
+  95% interval lies above zero;
+- the gated variant (`demo/model_gated/`) ships `chunked_kv_gains.json`,
+  whose gains make a valid `pooling="gated"` config, and answers held-out
+  prompts like the main model with full attention.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 
 from vllm_chunked_kv.demo.architecture import demo_config
 from vllm_chunked_kv.demo.evaluate import DEFAULT_MODEL_DIR, accuracy, load_model, needle_sweep
-from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION
+from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION, GAINS_FILE, gated_config
+
+GATED_DIR = DEFAULT_MODEL_DIR.parent / "model_gated"
 
 REQUIRED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "TRAINING.md"]
 
@@ -55,3 +60,13 @@ def test_phase_gap_appears_only_under_compression(model):
     chunked = needle_sweep(model, FINETUNE_COMPRESSION, per_phase=64, seed=777)
     assert full.gap.ci_low <= 0  # no phase effect beyond noise
     assert chunked.gap.ci_low > 0
+
+
+def test_gated_variant_ships_its_gains():
+    meta = json.loads((GATED_DIR / GAINS_FILE).read_text())
+    cfg = gated_config(meta["slot_gains"])
+    assert cfg.pooling == "gated" and len(cfg.slot_gains) == cfg.chunk_size
+    assert sum(p.stat().st_size for p in GATED_DIR.iterdir()) <= 10 * 2**20
+    torch.set_num_threads(1)
+    correct, total = accuracy(load_model(GATED_DIR), 40, seed=12345)
+    assert correct >= 0.95 * total

@@ -22,7 +22,7 @@ import torch
 from vllm_chunked_kv.demo import train as train_mod
 from vllm_chunked_kv.tasks.kv_retrieval import VOCAB
 
-SCALE = 0.02
+SCALE = 0.01
 
 
 def _state(model):
@@ -64,7 +64,7 @@ def test_copy_loss_falls(runs):
     logs = runs[3][0]
     losses = [float(m.group(1)) for line in logs if line.startswith("copy") for m in [re.search(r"loss (\S+)", line)] if m]
     assert losses[0] > 0.9 * math.log(256)  # starts near uniform guessing
-    assert losses[-1] < losses[0] - 0.1  # the shortened run is still in the warm-up
+    assert losses[-1] < losses[0] - 0.03  # the shortened run is still in the warm-up
 
 
 def test_steps_scale():

@@ -70,7 +70,7 @@ CURRICULUM = (
     Phase("copy-96", (("copy", 32),), 96, 1500, 1e-3, target_accuracy=0.995, min_steps=1000),
     Phase("recall-96", (("copy", 8), ("recall", 24)), 96, 1500, 1e-3, num_queries=4, target_accuracy=0.98, min_steps=200),
     Phase("recall-288", (("copy", 4), ("recall", 12)), 288, 800, 5e-4, num_queries=8, target_accuracy=0.99, min_steps=100),
-    Phase("finetune-chunked", (("recall", 16),), 288, 600, 5e-4, num_queries=8, compressed=True, decay=True),
+    Phase("finetune-chunked", (("recall", 16),), 288, 1200, 1e-3, num_queries=8, compressed=True, decay=True, full_rows=4),
 )
 GAINS_FILE = "chunked_kv_gains.json"
 WARMUP_STEPS = 100
