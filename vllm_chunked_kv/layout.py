@@ -50,6 +50,17 @@ def block_multiple(cfg: ChunkedKVConfig) -> int:
     return cfg.hop
 
 
+DEFAULT_BLOCK_TOKENS = 32
+
+
+def default_block_size(cfg: ChunkedKVConfig) -> int:
+    """Block size used unless --block-size is given: the smallest multiple of
+    hop from 32 tokens on. Raw pages hold as many rows as a compressed page
+    holds states, and a request keeps about two windows of raw pages plus a
+    page of rounding each, so small pages keep the raw overhead small."""
+    return -(-DEFAULT_BLOCK_TOKENS // cfg.hop) * cfg.hop
+
+
 def states_per_block(cfg: ChunkedKVConfig, block_size: int) -> int:
     """Rows in one compressed page of `block_size` tokens."""
     if block_size % block_multiple(cfg):

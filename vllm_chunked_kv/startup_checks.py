@@ -34,9 +34,12 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
 
 def _check_paging(cfg: ChunkedKVConfig, vllm_config, cache_config) -> None:
     """Compressed pages need whole slot groups per page, and the raw pages
-    need vLLM's hybrid KV cache manager (a cache group of their own)."""
+    need vLLM's hybrid KV cache manager (a cache group of their own). Without
+    --block-size, pick the block size that suits the compressed layout."""
     from vllm_chunked_kv import layout
 
+    if cache_config is not None and not getattr(cache_config, "user_specified_block_size", True):
+        cache_config.block_size = layout.default_block_size(cfg)
     block_size = getattr(cache_config, "block_size", None)
     multiple = layout.block_multiple(cfg)
     if block_size and block_size % multiple:

@@ -1,0 +1,96 @@
+"""KV cache capacity of vLLM with CHUNKED_KV against its default backend.
+
+Starts vLLM (an in-process engine, one fresh interpreter per configuration)
+with the same ``--kv-cache-memory-bytes`` for the default CPU backend and for
+each mitigation, and reads vLLM's own capacity from its log line
+``KV cache size: N tokens`` (requests of ``max_model_len`` tokens that fit at
+once, times ``max_model_len``). The theoretical ratio is what the memory of
+one ``max_model_len`` request needs: ``max_model_len`` raw rows with the
+default backend; ``max_model_len / tokens_per_state`` compressed rows plus the
+raw window (``window + chunk_size - 1`` rows) plus the rows kept raw forever
+(sinks, positions before staggered grid origins) with CHUNKED_KV.
+
+    python benchmarks/capacity.py --chunk-size 4 --window 128 --max-model-len 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from vllm_chunked_kv import layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.testing.engine_run import generate
+
+from bench_model import build_bench_model
+
+CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def mitigations(chunk_size: int, window: int) -> dict[str, dict]:
+    return {
+        "none": dict(mitigation="none", chunk_size=chunk_size, window=window),
+        "boundary": dict(mitigation="boundary", chunk_size=chunk_size, window=window),
+        "overlap": dict(mitigation="overlap", chunk_size=chunk_size, window=window),
+        "stride2": dict(mitigation="stride2", window=window),
+        "stagger": dict(mitigation="stagger", chunk_size=chunk_size, window=window),
+    }
+
+
+def capacity_tokens(model: Path, engine: dict) -> int:
+    log = generate(model, engine, rounds=[])["log"]
+    found = CAPACITY.findall(log)
+    if not found:
+        raise RuntimeError("vLLM did not log its KV cache size:\n" + log[-3000:])
+    return int(found[-1].replace(",", ""))
+
+
+def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: int) -> float:
+    rows = max_model_len / cfg.tokens_per_state + layout.raw_window(cfg) + layout.model_forever_raw(cfg, num_kv_heads)
+    return max_model_len / float(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: the benchmark Llama, built in a temp dir)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, help="default: each backend's own choice")
+    parser.add_argument("--chunk-size", type=int, default=4)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else build_bench_model(Path(tmp) / "bench-llama", layers=2)
+        num_kv_heads = json.loads((Path(model) / "config.json").read_text())["num_key_value_heads"]
+        engine = dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
+        if args.block_size:
+            engine["block_size"] = args.block_size
+        default = capacity_tokens(model, engine)
+        rows = [dict(backend="default", tokens=default, ratio=1.0, theoretical=1.0, fraction=1.0)]
+        for name, settings in mitigations(args.chunk_size, args.window).items():
+            cfg = ChunkedKVConfig(**settings)
+            tokens = capacity_tokens(model, {**engine, "attention_backend": "chunked_kv",
+                                             "additional_config": {"chunked_kv": settings}})
+            ratio, ideal = tokens / default, theoretical_ratio(cfg, args.max_model_len, num_kv_heads)
+            rows.append(dict(backend=name, tokens=tokens, ratio=ratio, theoretical=ideal, fraction=ratio / ideal))
+
+    print(f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} max_model_len={args.max_model_len} "
+          f"max_num_batched_tokens={args.max_num_batched_tokens} block_size={args.block_size} "
+          f"chunk_size={args.chunk_size} window={args.window}")
+    print(f"{'backend':<10} {'KV tokens':>12} {'ratio':>7} {'theory':>7} {'of theory':>9}")
+    for row in rows:
+        print(f"{row['backend']:<10} {row['tokens']:>12,} {row['ratio']:>7.3f} {row['theoretical']:>7.3f} "
+              f"{row['fraction']:>9.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

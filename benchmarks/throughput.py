@@ -1,0 +1,108 @@
+"""Prefill time and decode speed of CHUNKED_KV against vLLM's default CPU
+backend, at several context lengths, from one run.
+
+For each backend and context length a fresh in-process engine (its own
+interpreter) runs `--batch` requests of that many prompt tokens twice:
+with ``max_tokens=1`` (prefill time: the wall time of that call) and with
+``max_tokens=1+decode_tokens`` (decode tokens/s: the extra tokens over the
+extra time). Prefix caching is off, so the second call recomputes the
+prompt. Ratios are CHUNKED_KV over default (prefill: time, lower is better;
+decode: tokens/s, higher is better).
+
+    python benchmarks/throughput.py --contexts 2048 8192 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_model import build_bench_model
+
+
+def worker(spec: dict) -> dict:
+    """Runs in a fresh interpreter: time prefill and decode of one setting."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(spec["model"], **spec["engine"])
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [2] + [rng.randrange(10, 250) for _ in range(spec["context"] - 1)]}
+               for _ in range(spec["batch"])]
+
+    def timed(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(1)  # warm-up: first-call overheads
+    prefill = timed(1)
+    total = timed(1 + spec["decode_tokens"])
+    decode_tps = spec["batch"] * spec["decode_tokens"] / max(total - prefill, 1e-9)
+    return {"prefill_s": prefill, "decode_tok_s": decode_tps}
+
+
+def measure(model: Path, engine: dict, context: int, batch: int, decode_tokens: int) -> dict:
+    spec = {"model": str(model), "engine": engine, "context": context, "batch": batch, "decode_tokens": decode_tokens}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(spec), capture_output=True,
+                          text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: the benchmark Llama, built in a temp dir)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--chunked-kv", default='{"chunk_size": 4, "window": 128}',
+                        help="the chunked_kv settings (JSON)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    settings = json.loads(args.chunked_kv)
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else build_bench_model(Path(tmp) / "bench-llama")
+        for context in args.contexts:
+            engine = dict(enforce_eager=True, dtype="float32", max_model_len=context + args.decode_tokens + 8,
+                          max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                          kv_cache_memory_bytes=2 << 30, seed=0)
+            default = measure(model, engine, context, args.batch, args.decode_tokens)
+            chunked = measure(model, {**engine, "attention_backend": "chunked_kv",
+                                      "additional_config": {"chunked_kv": settings}},
+                              context, args.batch, args.decode_tokens)
+            rows.append(dict(context=context, default=default, chunked=chunked,
+                             prefill_time_ratio=chunked["prefill_s"] / default["prefill_s"],
+                             decode_speed_ratio=chunked["decode_tok_s"] / default["decode_tok_s"]))
+
+    print(f"chunked_kv={json.dumps(settings)} batch={args.batch} decode_tokens={args.decode_tokens} "
+          f"max_num_batched_tokens={args.max_num_batched_tokens}")
+    print(f"{'context':>8} {'prefill s default':>18} {'chunked':>8} {'ratio':>6} "
+          f"{'decode tok/s default':>21} {'chunked':>8} {'ratio':>6}")
+    for row in rows:
+        d, c = row["default"], row["chunked"]
+        print(f"{row['context']:>8} {d['prefill_s']:>18.2f} {c['prefill_s']:>8.2f} {row['prefill_time_ratio']:>6.2f} "
+              f"{d['decode_tok_s']:>21.1f} {c['decode_tok_s']:>8.1f} {row['decode_speed_ratio']:>6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        print(json.dumps(worker(json.loads(sys.stdin.read()))), flush=True)
+    else:
+        main()
