@@ -208,3 +208,21 @@ def test_describe_is_json_and_round_trips():
     assert ChunkedKVConfig(**cfg.model_dump()) == cfg
     assert ChunkedKVConfig.model_validate(cfg) is cfg
     assert all(field.description for field in ChunkedKVConfig.model_fields.values())
+
+
+def test_gated_gains_come_from_the_model_directory(tmp_path):
+    """pooling=gated without slot_gains reads the gains shipped with the model."""
+    from types import SimpleNamespace
+
+    (tmp_path / "chunked_kv_gains.json").write_text('{"pooling": "gated", "slot_gains": [0.1, 0.6, 0.3, 0.0]}')
+    vllm_config = SimpleNamespace(additional_config={"chunked_kv": {"pooling": "gated"}},
+                                  model_config=SimpleNamespace(model=str(tmp_path)))
+    cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
+    assert cfg.slot_gains == [0.1, 0.6, 0.3, 0.0]
+    explicit = SimpleNamespace(additional_config={"chunked_kv": {"pooling": "gated", "slot_gains": [1.0, 0, 0, 0]}},
+                               model_config=SimpleNamespace(model=str(tmp_path)))
+    assert ChunkedKVConfig.from_vllm_config(explicit).slot_gains == [1.0, 0, 0, 0]
+    elsewhere = SimpleNamespace(additional_config={"chunked_kv": {"pooling": "gated"}},
+                                model_config=SimpleNamespace(model=str(tmp_path / "missing")))
+    with pytest.raises(ChunkedKVConfigError, match="slot_gains"):
+        ChunkedKVConfig.from_vllm_config(elsewhere)

@@ -56,7 +56,7 @@ def active_config() -> ChunkedKVConfig:
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None:
         raise RuntimeError(f"{BACKEND_NAME}: no engine config in this process to read chunked_kv settings from")
-    return ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+    return ChunkedKVConfig.from_vllm_config(vllm_config)
 
 
 class ChunkedKVBackend(AttentionBackend):
@@ -200,7 +200,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         global _active_config
 
         vllm_config = get_current_vllm_config()
-        self.config = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+        self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
         _active_config = self.config
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._static_forward_context = vllm_config.compilation_config.static_forward_context

@@ -13,8 +13,10 @@ no boundary retention), so the grid stays settable field by field.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 ADDITIONAL_CONFIG_KEY = "chunked_kv"
+GAINS_FILE = "chunked_kv_gains.json"  # learned per-slot gains shipped in a model directory
 
 
 class ChunkedKVConfigError(ValueError):
@@ -202,6 +205,24 @@ class ChunkedKVConfig(_ChunkedKVFields):
         if bad_keys:
             raise ChunkedKVConfigError(None, f"keys must be strings (got {bad_keys[0]!r})")
         return cls(**section)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> ChunkedKVConfig:
+        """`from_additional_config` of a VllmConfig, plus gains shipped with the
+        model: with `pooling="gated"` and no `slot_gains`, the `slot_gains` of
+        the model directory's `chunked_kv_gains.json` are used."""
+        additional = vllm_config.additional_config
+        section = (additional or {}).get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, Mapping) else None
+        if isinstance(section, Mapping) and section.get("pooling") == "gated" and "slot_gains" not in section:
+            model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+            gains = Path(str(model)) / GAINS_FILE if model else None
+            if gains is not None and gains.is_file():
+                try:
+                    slot_gains = json.loads(gains.read_text())["slot_gains"]
+                except (ValueError, KeyError) as exc:
+                    raise ChunkedKVConfigError("slot_gains", f"cannot read {gains}: {exc}") from None
+                return cls.from_additional_config({ADDITIONAL_CONFIG_KEY: {**section, "slot_gains": slot_gains}})
+        return cls.from_additional_config(additional)
 
     # ------------------------------------------------------------ derived values
 

@@ -119,7 +119,7 @@ def config_view(vllm_config: Any) -> dict[str, Any]:
     from vllm_chunked_kv.config import ChunkedKVConfig
     from vllm_chunked_kv.kv_footprint import attention_backend_name, chunked_backend_active, footprint_from_vllm_config
 
-    cfg = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+    cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
     fp = footprint_from_vllm_config(vllm_config, cfg.tokens_per_state)
     registry = get_phase_registry()
     return {

@@ -45,7 +45,7 @@ class ChunkedKVStatLogger(AggregateStatLoggerBase):
 
     def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None):
         self.vllm_config = vllm_config
-        self.cfg = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+        self.cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
         self.hop = int(self.cfg.hop)
         self.model_name = str(vllm_config.model_config.served_model_name)
         self.engine_indexes = list(engine_indexes) if engine_indexes else [0]

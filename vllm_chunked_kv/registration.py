@@ -92,7 +92,7 @@ def _validate_config_at_startup() -> None:
             from vllm_chunked_kv.config import ChunkedKVConfig
             from vllm_chunked_kv.startup_checks import check_engine_support
 
-            cfg = ChunkedKVConfig.from_additional_config(vllm_config.additional_config)
+            cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
             check_engine_support(cfg, vllm_config)
 
     check_and_update_config._chunked_kv_validates = True  # type: ignore[attr-defined]

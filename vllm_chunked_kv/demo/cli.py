@@ -35,7 +35,7 @@ MODES: dict[str, dict | None] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model directory (default: the shipped demo model)")
-    parser.add_argument("--per-phase", type=int, default=512, help="prompts per position-mod-8 group (x8 per mode)")
+    parser.add_argument("--per-phase", type=int, default=256, help="prompts per position-mod-8 group (x8 per mode)")
     parser.add_argument("--quick", action="store_true", help="64 prompts per group: a fast look, wide intervals")
     parser.add_argument("--window", type=int, default=32, help="raw window of every chunked mode")
     parser.add_argument("--sink-tokens", type=int, default=4, help="sink tokens of every chunked mode")
