@@ -2,11 +2,11 @@
 backend, at several context lengths, from one run.
 
 For each backend and context length a fresh in-process engine (its own
-interpreter) runs `--batch` requests of that many prompt tokens twice:
-with ``max_tokens=1`` (prefill time: the wall time of that call) and with
-``max_tokens=1+decode_tokens`` (decode tokens/s: the extra tokens over the
-extra time). Prefix caching is off, so the second call recomputes the
-prompt. Ratios are CHUNKED_KV over default (prefill: time, lower is better;
+interpreter) runs `--batch` requests of that many prompt tokens: with
+``max_tokens=1`` (prefill time: the wall time of that call, after one
+warm-up call) and with ``max_tokens=1+decode_tokens`` (decode tokens/s:
+`decode_tokens` per request over the time between the first and the last
+generated token, from vLLM's own request timestamps). Prefix caching is off. Ratios are CHUNKED_KV over default (prefill: time, lower is better;
 decode: tokens/s, higher is better).
 
     python benchmarks/throughput.py --contexts 2048 8192 16384
@@ -32,27 +32,32 @@ def worker(spec: dict) -> dict:
 
     from vllm import LLM, SamplingParams
 
-    llm = LLM(spec["model"], **spec["engine"])
+    llm = LLM(spec["model"], **spec["engine"], disable_log_stats=False)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [2] + [rng.randrange(10, 250) for _ in range(spec["context"] - 1)]}
                for _ in range(spec["batch"])]
 
-    def timed(max_tokens: int) -> float:
+    def run(max_tokens: int):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, outputs
 
-    timed(1)  # warm-up: first-call overheads
-    prefill = timed(1)
-    total = timed(1 + spec["decode_tokens"])
-    decode_tps = spec["batch"] * spec["decode_tokens"] / max(total - prefill, 1e-9)
+    run(1)  # warm-up: first-call overheads
+    prefill, _ = run(1)
+    _, outputs = run(1 + spec["decode_tokens"])
+    # Engine timestamps of the first and last generated token: decode only.
+    first = min(out.metrics.first_token_ts for out in outputs)
+    last = max(out.metrics.last_token_ts for out in outputs)
+    decode_tps = spec["batch"] * spec["decode_tokens"] / (last - first)
     return {"prefill_s": prefill, "decode_tok_s": decode_tps}
 
 
-def measure(model: Path, engine: dict, context: int, batch: int, decode_tokens: int) -> dict:
+def measure(model: Path, engine: dict, context: int, batch: int, decode_tokens: int, threads: int | None) -> dict:
     spec = {"model": str(model), "engine": engine, "context": context, "batch": batch, "decode_tokens": decode_tokens}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(spec), capture_output=True,
                           text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -68,6 +73,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP threads of each engine, the same for both backends (0: vLLM's choice). On a "
+                             "machine shared with other work, one thread avoids waiting for busy cores at "
+                             "every parallel op")
     parser.add_argument("--chunked-kv", default='{"chunk_size": 4, "window": 128}',
                         help="the chunked_kv settings (JSON)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -81,16 +90,16 @@ def main() -> None:
             engine = dict(enforce_eager=True, dtype="float32", max_model_len=context + args.decode_tokens + 8,
                           max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                           kv_cache_memory_bytes=2 << 30, seed=0)
-            default = measure(model, engine, context, args.batch, args.decode_tokens)
+            default = measure(model, engine, context, args.batch, args.decode_tokens, args.threads)
             chunked = measure(model, {**engine, "attention_backend": "chunked_kv",
                                       "additional_config": {"chunked_kv": settings}},
-                              context, args.batch, args.decode_tokens)
+                              context, args.batch, args.decode_tokens, args.threads)
             rows.append(dict(context=context, default=default, chunked=chunked,
                              prefill_time_ratio=chunked["prefill_s"] / default["prefill_s"],
                              decode_speed_ratio=chunked["decode_tok_s"] / default["decode_tok_s"]))
 
     print(f"chunked_kv={json.dumps(settings)} batch={args.batch} decode_tokens={args.decode_tokens} "
-          f"max_num_batched_tokens={args.max_num_batched_tokens}")
+          f"max_num_batched_tokens={args.max_num_batched_tokens} threads={args.threads}")
     print(f"{'context':>8} {'prefill s default':>18} {'chunked':>8} {'ratio':>6} "
           f"{'decode tok/s default':>21} {'chunked':>8} {'ratio':>6}")
     for row in rows:

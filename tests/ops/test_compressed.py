@@ -4,9 +4,10 @@ stored the way the backend stores it, chunked attention equals the reference.
 A small simulated pager plays vLLM's part: each request gets compressed
 pages (one state per `tokens_per_state` tokens) and raw pages; a raw page
 that leaves the sliding window within its own step is never allocated (it
-maps to a shared NaN page), raw rows before the window hold NaN (row by row,
-stricter than vLLM's whole pages) and so do compressed rows never written,
-so reading any of them fails the test. Sequences are fed in random step splits (prefill, chunked prefill,
+maps to a shared NaN page) and raw rows before the window hold NaN (row by
+row, stricter than vLLM's whole pages), so reading any of them, even masked,
+fails the test; compressed pages start zero-filled, as vLLM's do (rows past
+the last sealed chunk of a page are read, and masked). Sequences are fed in random step splits (prefill, chunked prefill,
 single-token decodes, mixed batches); every step's outputs equal
 `reference_chunked_attention` over the whole sequence within 1e-5, for every
 mitigation, pooling mode, sinks and staggered grids.
@@ -52,7 +53,7 @@ class Pager:
         self.raw_block_size = self.per_block  # equal pages, as the backend declares them
         self.keep = layout.forever_raw(cfg, origins)
         row = 2 * HEAD_SIZE
-        self.comp = torch.full((64 * num_reqs, NUM_KV_HEADS, self.per_block, row), float("nan"))
+        self.comp = torch.zeros((64 * num_reqs, NUM_KV_HEADS, self.per_block, row))  # vLLM zero-fills its caches
         self.raw = torch.full((256 * num_reqs, NUM_KV_HEADS, self.raw_block_size, row), float("nan"))
         self.free_comp = list(range(1, self.comp.shape[0]))
         self.free_raw = list(range(1, self.raw.shape[0]))  # page 0 is the null page

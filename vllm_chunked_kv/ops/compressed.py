@@ -64,26 +64,62 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
            plan: StepPlan, scale: float) -> torch.Tensor:
     """Attention of every query token of the step: query ``[n, Hq, D]``,
     step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V) -> ``[n, Hq, Dv]`` in the
-    query dtype (fp32 math)."""
+    query dtype (fp32 math).
+
+    Each key set's rows are gathered per KV head (``[b, Hkv, N, Dk + Dv]``,
+    three parts: stored raw rows, the step's own rows, compressed slots) and
+    enter one softmax: for the batched single-token queries without copying
+    the parts into one tensor, for a multi-token request through PyTorch's
+    fused attention over the concatenated rows (it never holds all logits).
+    """
     n, num_heads, head_size = query.shape
+    num_kv_heads = raw_cache.shape[1]
+    group = num_heads // num_kv_heads
     out = query.new_empty(n, num_heads, raw_cache.shape[-1] - head_size)
     for keys in plan.key_sets:
-        raw = raw_cache[keys.raw_blocks, :, keys.raw_offsets]  # [b, Nr, Hkv, Dk + Dv]
-        raw = raw.masked_fill(keys.raw_padding[:, :, None, None], 0)  # padding may hold stale bytes
-        own = step_rows[keys.query_index].to(raw.dtype)  # [b, L, Hkv, Dk + Dv]
-        comp = comp_cache[keys.comp_blocks, :, keys.comp_offsets]  # [b, Nc, Hkv, Dk + Dv]
-        comp = comp.masked_fill(keys.comp_padding[:, :, None, None], 0)
-        rows = torch.cat([raw, own, comp], dim=1).float().transpose(1, 2)  # [b, Hkv, N, Dk + Dv]
-        b, num_kv_heads, num_rows, _ = rows.shape
-        group = num_heads // num_kv_heads
-        num_q = keys.query_index.shape[1]
+        b, num_q = keys.query_index.shape
+        raw = _gather(raw_cache, keys.raw_blocks, keys.raw_offsets)  # [b, Hkv, Nr, Dk + Dv]
+        if keys.raw_padding.any():  # padding rows may hold dropped rows: zero them, they are masked
+            pad_b, pad_n = keys.raw_padding.nonzero(as_tuple=True)
+            raw[pad_b, :, pad_n] = 0
+        own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
+        slots = _gather(comp_cache, keys.comp_blocks, keys.comp_offsets)  # [b, Hkv, Nc, Dk + Dv]
         q = query[keys.query_index].float()  # [b, L, Hq, D]
         q = q.view(b, num_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [b, Hkv, G, L, D]
-        q = q.reshape(b * num_kv_heads, group, num_q, head_size)  # [b*Hkv, G, L, D]
-        k = rows[..., :head_size].reshape(b * num_kv_heads, 1, num_rows, head_size)  # [b*Hkv, 1, N, D]
-        v = rows[..., head_size:].reshape(b * num_kv_heads, 1, num_rows, -1)  # [b*Hkv, 1, N, Dv]
-        mask = keys.bias.reshape(b * num_kv_heads, 1, num_q, num_rows)  # [b*Hkv, 1, L, N]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [b*Hkv, G, L, Dv]
-        o = o.view(b, num_kv_heads, group, num_q, -1).permute(0, 3, 1, 2, 4)  # [b, L, Hkv, G, Dv]
+        parts = [part.float() for part in (raw, own, slots)]
+        if num_q == 1:
+            o = _attend_parts(q, parts, keys.bias, scale, head_size)  # [b, Hkv, G, 1, Dv]
+        else:  # one request: a fused kernel over the concatenated rows
+            kv = torch.cat(parts, dim=2)[0]  # [Hkv, N, Dk + Dv]
+            o = F.scaled_dot_product_attention(
+                q[0], kv[:, None, :, :head_size], kv[:, None, :, head_size:], attn_mask=keys.bias[0][:, None],
+                scale=scale, enable_gqa=True)[None]  # [1, Hkv, G, L, Dv]
+        o = o.permute(0, 3, 1, 2, 4)  # [b, L, Hkv, G, Dv]
         out[keys.query_index] = o.reshape(b, num_q, num_heads, -1).to(out.dtype)  # [b, L, Hq, Dv]
     return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows at (block, offset) ``[b, N]`` of every KV head: ``[b, Hkv, N, Dk + Dv]``.
+    A contiguous cache is read as a flat row array (a plain row copy)."""
+    num_blocks, num_kv_heads, per_block, width = cache.shape
+    heads = torch.arange(num_kv_heads, device=cache.device)[None, :, None]  # [1, Hkv, 1]
+    if not cache.is_contiguous():
+        return cache[blocks[:, None, :], heads, offsets[:, None, :]]
+    flat = (blocks[:, None, :] * num_kv_heads + heads) * per_block + offsets[:, None, :]  # [b, Hkv, N]
+    return cache.view(-1, width).index_select(0, flat.view(-1)).view(*flat.shape, width)
+
+
+def _attend_parts(q: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor, scale: float,
+                  head_size: int) -> torch.Tensor:
+    """One softmax over several row sets without copying them into one tensor:
+    q ``[b, Hkv, G, L, D]``, parts ``[b, Hkv, N_i, Dk + Dv]``, bias ``[b, Hkv, L,
+    sum N_i]`` -> ``[b, Hkv, G, L, Dv]``."""
+    b, num_kv_heads, group, num_q, _ = q.shape
+    q = q.reshape(b, num_kv_heads, group * num_q, head_size) * scale  # [b, Hkv, G*L, D]
+    logits = torch.cat([q @ part[..., :head_size].transpose(-1, -2) for part in parts], dim=-1)  # [b, Hkv, G*L, N]
+    logits = logits.view(b, num_kv_heads, group, num_q, -1) + bias[:, :, None]  # [b, Hkv, G, L, N]
+    probs = logits.softmax(dim=-1).view(b, num_kv_heads, group * num_q, -1)  # [b, Hkv, G*L, N]
+    sizes = [part.shape[2] for part in parts]
+    out = sum(p @ part[..., head_size:] for p, part in zip(probs.split(sizes, dim=-1), parts))  # [b, Hkv, G*L, Dv]
+    return out.view(b, num_kv_heads, group, num_q, -1)

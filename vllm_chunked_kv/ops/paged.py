@@ -1,9 +1,14 @@
-"""Paged KV storage and exact causal attention over it, in plain PyTorch.
+"""Chunked attention over an all-raw paged layout, in plain PyTorch.
 
-A layer's cache is `kv_cache[num_blocks, num_kv_heads, block_size, Dk + Dv]`
-(keys then values per stored row). A request's rows live in the blocks its
-block-table row names, in order; row `j` of a request sits in block
-`block_table[j // block_size]` at offset `j % block_size`.
+Here every token's row is stored raw: `kv_cache[num_blocks, num_kv_heads,
+block_size, Dk + Dv]` (keys then values per stored row), row `j` of a request
+in block `block_table[j // block_size]` at offset `j % block_size`, and
+sealed chunks are pooled from those rows when a query needs them. It is the
+PyTorch counterpart of the kernels in `triton_attention.py` (same layout and
+signature, selected through `dispatch.py`).
+
+The backend stores the compressed layout instead (`layout.py`: compressed
+pages plus a raw window); its PyTorch path is `ops/compressed.py`.
 """
 
 from __future__ import annotations

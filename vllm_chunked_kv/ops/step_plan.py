@@ -79,7 +79,6 @@ class KeySet:
     raw_padding: torch.Tensor  # [batch, Nr] True where the row is padding (zeroed)
     comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot
     comp_offsets: torch.Tensor  # [batch, Nc]
-    comp_padding: torch.Tensor  # [batch, Nc] True where the slot is padding (zeroed)
     bias: torch.Tensor  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
 
 
@@ -190,17 +189,21 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
                   for o in origins if layout.num_sealed(cfg, seq_len - 1, o)]
         num_slots.append(spg * max(groups, default=0))
         queries.append(list(range(first, seq_len)))
-    num_raw, num_comp = max(map(len, raw_pos)), max(num_slots)
+    num_raw = max(map(len, raw_pos))
     req_t = torch.tensor(reqs, **long)[:, None]  # [b, 1]
     raw_t = torch.tensor([p + [0] * (num_raw - len(p)) for p in raw_pos], **long).view(len(reqs), num_raw)  # [b, Nr]
     raw_padding = torch.arange(num_raw, **long)[None, :] >= torch.tensor([len(p) for p in raw_pos], **long)[:, None]
+    # Padding slots read the request's slot 0 and are masked; like every row a
+    # request can read, it is finite (vLLM zero-fills its caches, and every row
+    # written is a K/V row).
+    num_comp = max(num_slots)
     slot_t = torch.arange(num_comp, **long)[None, :].expand(len(reqs), -1)  # [b, Nc]
-    comp_padding = slot_t >= torch.tensor(num_slots, **long)[:, None]  # [b, Nc]
-    slot_t = slot_t.masked_fill(comp_padding, 0)
+    slot_valid = slot_t < torch.tensor(num_slots, **long)[:, None]  # [b, Nc]
+    slot_t = slot_t.masked_fill(~slot_valid, 0)
     t = torch.tensor(queries, **long)  # [b, L]: one query each, or one request's queries
     q_index = t - t[:, :1] + torch.tensor([batch.query_start[r] for r in reqs], **long)[:, None]  # [b, L]
     per_block = layout.states_per_block(cfg, batch.block_size)
-    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, ~comp_padding)
+    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, slot_valid)
     return KeySet(
         query_index=q_index,
         raw_blocks=batch.raw_block_table[req_t, raw_t // batch.raw_block_size].long(),
@@ -208,7 +211,6 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
         raw_padding=raw_padding,
         comp_blocks=batch.block_table[req_t, slot_t // per_block].long(),
         comp_offsets=slot_t % per_block,
-        comp_padding=comp_padding,
         bias=bias,
     )
 
@@ -230,17 +232,23 @@ def _bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos:
     spg = layout.slots_per_group(cfg)
     s = slots[:, None, None, :]  # [b, 1, 1, Nc]
     kind = s % spg  # 0 pooled row, 1 first token, 2 last token
-    k = torch.div(s, spg, rounding_mode="floor") - (o + chunk_size - 1) // hop  # [b, Hkv, 1, Nc] chunk index
+    first_group = (o + chunk_size - 1) // hop  # [1, Hkv, 1, 1]
+    k = torch.div(s, spg, rounding_mode="floor") - first_group  # [b, Hkv, 1, Nc] chunk index
     first = o + k * hop  # [b, Hkv, 1, Nc] first position of the chunk
     last = first + chunk_size - 1
-    slot_vis = (k >= 0) & (k < sealed) & slot_valid[:, None, None, :]  # [b, Hkv, L, Nc]
-    # A pooled row exists unless the chunk lies wholly in the sinks (or has no
-    # interior); a kept boundary token that is also a sink is attended once, as a sink.
-    slot_vis &= torch.where(kind == 1, first >= cfg.sink_tokens, last >= cfg.sink_tokens)
+    # What does not depend on the query: a row exists (a pooled row unless the
+    # chunk lies wholly in the sinks or has no interior; a kept boundary token
+    # that is also a sink is attended once, as a sink) ...
+    exists = (k >= 0) & slot_valid[:, None, None, :] & torch.where(kind == 1, first >= cfg.sink_tokens,
+                                                                   last >= cfg.sink_tokens)
     if not len(cfg.pooled_slots):
-        slot_vis &= kind != 0
-    slot_bias = torch.where(kind == 0, cfg.log_weight, 0.0).to(torch.float32)  # [b, 1, 1, Nc]
-    zeros = torch.zeros((), dtype=torch.float32, device=t.device)
-    raw_bias = torch.where(raw_vis, zeros, float("-inf"))  # [b, Hkv, L, Nr + L]
-    slot_bias = torch.where(slot_vis, slot_bias, float("-inf"))  # [b, Hkv, L, Nc]
-    return torch.cat([raw_bias, slot_bias], dim=-1)  # [b, Hkv, L, Nr + L + Nc]
+        exists &= kind != 0
+    # ... and what does: the chunk is sealed, i.e. k < sealed, i.e. s < spg * (sealed + first_group).
+    slot_vis = exists & (s < spg * (sealed + first_group))  # [b, Hkv, L, Nc]
+    row_bias = torch.where(kind == 0, cfg.log_weight, 0.0).to(torch.float32)  # [b, 1, 1, Nc]
+    num_raw = raw_vis.shape[-1]
+    bias = torch.empty((*slot_vis.shape[:-1], num_raw + slot_vis.shape[-1]), dtype=torch.float32, device=t.device)
+    hidden = torch.full((), float("-inf"), dtype=torch.float32, device=t.device)
+    torch.where(raw_vis, torch.zeros((), dtype=torch.float32, device=t.device), hidden, out=bias[..., :num_raw])
+    torch.where(slot_vis, row_bias, hidden, out=bias[..., num_raw:])
+    return bias  # [b, Hkv, L, Nr + L + Nc]
