@@ -10,7 +10,10 @@
   95% interval lies above zero;
 - the gated variant (`demo/model_gated/`) ships `chunked_kv_gains.json`,
   whose gains make a valid `pooling="gated"` config, and answers held-out
-  prompts like the main model with full attention.
+  prompts like the main model with full attention;
+- the staggered variant (`demo/model_stagger/`) ships `chunked_kv_serve.json`,
+  a chunked_kv config with staggered grids over the fine-tune compression,
+  and answers held-out prompts like the main model with full attention.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import torch
 
 from vllm_chunked_kv.demo.architecture import demo_config
 from vllm_chunked_kv.demo.evaluate import DEFAULT_MODEL_DIR, accuracy, load_model, needle_sweep
+from vllm_chunked_kv.demo.finetune import SERVE_FILE, read_serve_config
 from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION, GAINS_FILE, gated_config
 
 GATED_DIR = DEFAULT_MODEL_DIR.parent / "model_gated"
+STAGGER_DIR = DEFAULT_MODEL_DIR.parent / "model_stagger"
 
 REQUIRED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "TRAINING.md"]
 
@@ -69,4 +74,17 @@ def test_gated_variant_ships_its_gains():
     assert sum(p.stat().st_size for p in GATED_DIR.iterdir()) <= 10 * 2**20
     torch.set_num_threads(1)
     correct, total = accuracy(load_model(GATED_DIR), 40, seed=12345)
+    assert correct >= 0.95 * total
+
+
+def test_stagger_variant_ships_its_serving_config():
+    names = {p.name for p in STAGGER_DIR.iterdir()}
+    assert set(REQUIRED) | {SERVE_FILE} <= names
+    assert sum(p.stat().st_size for p in STAGGER_DIR.iterdir()) <= 10 * 2**20
+    cfg = read_serve_config(STAGGER_DIR)
+    assert any(cfg.origins(layer, 2) != [0, 0] for layer in range(2))
+    for field in ("chunk_size", "hop", "window", "sink_tokens", "pooling"):
+        assert getattr(cfg, field) == getattr(FINETUNE_COMPRESSION, field), field
+    torch.set_num_threads(1)
+    correct, total = accuracy(load_model(STAGGER_DIR), 40, seed=12345)
     assert correct >= 0.95 * total

@@ -7,6 +7,11 @@ position mod 8 share mean and variance of the position), and prints a table
 in the paper's shape: mode, KV rows per token, mean accuracy, worst and best
 phase (position mod 4), the gap with its 95% interval, and the period found
 in the accuracy-by-position-mod-8 curve. Writes `demo.json` and `demo.png`.
+
+Every mode serves `--model` except those in MODE_MODELS: "stagger fine-tuned"
+serves `--stagger-model` (the shipped model fine-tuned further with staggered
+grids, `demo/model_stagger`), staggered as it was trained. Prompts are
+tokenized once with `--model`'s tokenizer; the demo models share it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from vllm_chunked_kv.config import ChunkedKVConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "model"
+DEFAULT_STAGGER_MODEL_DIR = Path(__file__).parent / "model_stagger"
 PHASES = 4  # the demo's chunk size: phase = position mod 4
 OFFSETS = 8  # the period search looks at position mod 8 (periods 2..4 repeat at least twice)
 MODES: dict[str, dict | None] = {
@@ -30,11 +36,16 @@ MODES: dict[str, dict | None] = {
     "overlap": {"mitigation": "overlap"},
     "stride2": {"mitigation": "stride2", "chunk_size": 2},
     "stagger": {"mitigation": "stagger"},
+    "stagger fine-tuned": {"mitigation": "stagger"},
 }
+# Modes served from another model directory: mode -> the argument naming it.
+MODE_MODELS = {"stagger fine-tuned": "stagger_model"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model directory (default: the shipped demo model)")
+    parser.add_argument("--stagger-model", default=str(DEFAULT_STAGGER_MODEL_DIR),
+                        help="model directory of the 'stagger fine-tuned' mode (default: the shipped one)")
     parser.add_argument("--per-phase", type=int, default=256, help="prompts per position-mod-8 group (x8 per mode)")
     parser.add_argument("--quick", action="store_true", help="64 prompts per group: a fast look, wide intervals")
     parser.add_argument("--window", type=int, default=32, help="raw window of every chunked mode")
@@ -49,6 +60,11 @@ def mode_settings(mode: str, args) -> dict | None:
     if base is None:
         return None
     return {"chunk_size": 4, "window": args.window, "sink_tokens": args.sink_tokens, **base}
+
+
+def mode_model(mode: str, args) -> Path:
+    """The model directory `mode` serves."""
+    return Path(getattr(args, MODE_MODELS.get(mode, "model")))
 
 
 def rows_per_token(settings: dict | None) -> float:
@@ -136,15 +152,17 @@ def run(args: argparse.Namespace) -> int:
 
     from vllm_chunked_kv.tasks.kv_retrieval import is_correct
 
-    model = Path(args.model)
-    if not (model / "config.json").exists():
-        print(f"error: no model at {model} (train one with python -m vllm_chunked_kv.demo.train)", file=sys.stderr)
-        return 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         print(f"error: unknown mode(s) {', '.join(unknown)} (allowed: {', '.join(MODES)})", file=sys.stderr)
         return 2
+    model = Path(args.model)
+    for path in {model, *(mode_model(m, args) for m in modes)}:
+        if not (path / "config.json").exists():
+            print(f"error: no model at {path} (train one with python -m vllm_chunked_kv.demo.train, "
+                  "or fine-tune one with python -m vllm_chunked_kv.demo.finetune)", file=sys.stderr)
+            return 1
     per_group = 64 if args.quick else args.per_phase
     prompts = build_prompts(per_group, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -157,9 +175,9 @@ def run(args: argparse.Namespace) -> int:
         settings = mode_settings(mode, args)
         print(f"[{i}/{len(modes)}] {mode}: {len(prompts)} prompts ... ", end="", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        answers = tokenizer.convert_ids_to_tokens(run_mode(str(model), settings, token_ids))
+        answers = tokenizer.convert_ids_to_tokens(run_mode(str(mode_model(mode, args)), settings, token_ids))
         correct = [is_correct(a, p.answer) for a, p in zip(answers, prompts)]
-        rows.append(summarise(mode, settings, prompts, correct))
+        rows.append({**summarise(mode, settings, prompts, correct), "model": str(mode_model(mode, args))})
         print(f"{100 * rows[-1]['mean']:.1f}% in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
     table = format_table(rows)
     print(table)

@@ -1,9 +1,10 @@
 """TRAINING.md beside a trained demo model: how it was made and how well it does.
 
-Written by `demo.train` from what it measured: the command, the seed, the
-time per curriculum phase, held-out accuracy with full attention and the
-needle-phase sweep with full attention and under each given compression,
-each with Wilson 95% intervals.
+Written by `demo.train` and `demo.finetune` from what they measured: the
+command, the seed, the time per training phase, held-out accuracy with full
+attention and the needle-phase sweep with full attention and under each
+given compression, each with Wilson 95% intervals; a fine-tune's report also
+sweeps the model it started from under the same compressions.
 """
 
 from __future__ import annotations
@@ -27,23 +28,41 @@ def _sweep_row(name: str, result) -> str:
 
 def _describe(cfg: ChunkedKVConfig) -> str:
     pooling = f"{cfg.pooling} pooling" + (f" (slot gains {cfg.slot_gains})" if cfg.pooling == "gated" else "")
-    return f"{pooling}, chunk_size {cfg.chunk_size}, window {cfg.window}, {cfg.sink_tokens} sinks"
+    text = f"{pooling}, chunk_size {cfg.chunk_size}, window {cfg.window}, {cfg.sink_tokens} sinks"
+    if cfg.stagger == "heads":
+        text += f", staggered grids (KV head h starts at (h mod {cfg.stagger_groups}) * hop / {cfg.stagger_groups})"
+    elif cfg.stagger != "none":
+        text += f", staggered grids (origins per layer and KV head {cfg.stagger})"
+    return text
 
 
 def write_training_report(
-    model, out_dir: Path, args, record, seconds: float, modes: dict[str, ChunkedKVConfig]
+    model, out_dir: Path, args, record, seconds: float, modes: dict[str, ChunkedKVConfig], *,
+    program: str = "vllm_chunked_kv.demo.train", intro: str = "", baseline=None,
 ) -> None:
-    """Evaluate `model` (full attention and each of `modes`) and write `out_dir / TRAINING.md`."""
+    """Evaluate `model` (full attention and each of `modes`) and write `out_dir / TRAINING.md`.
+
+    `program`: the module named in the command line; `intro`: a paragraph
+    under the title; `baseline`: (label, other model) whose sweeps under the
+    same `modes` are added as rows named "<label>: <mode>" (e.g. the model a
+    fine-tune started from)."""
     n = args.eval_prompts
     full = format_percent(*accuracy(model, n, seed=args.seed))
     rows = [_sweep_row("full", needle_sweep(model, None, per_phase=n, seed=args.seed))]
     rows += [_sweep_row(name, needle_sweep(model, cfg, per_phase=n, seed=args.seed)) for name, cfg in modes.items()]
-    command = "python -m vllm_chunked_kv.demo.train " + " ".join(sys.argv[1:])
+    if baseline is not None:
+        label, other = baseline
+        rows += [
+            _sweep_row(f"{label}: {name}", needle_sweep(other, cfg, per_phase=n, seed=args.seed))
+            for name, cfg in modes.items()
+        ]
+    command = f"python -m {program} " + " ".join(sys.argv[1:])
     phases = "\n".join(f"| {name} | {steps} | {secs:.0f} |" for name, steps, secs in record)
     described = "\n".join(f"- {name}: {_describe(cfg)}" for name, cfg in modes.items())
     rows_text = "\n".join(rows)
+    intro = f"\n{intro.strip()}\n" if intro.strip() else ""
     text = f"""# Demo model: how it was trained
-
+{intro}
 Command: `{command}`
 
 Seed {args.seed}, steps scale {args.steps_scale}, {args.threads} torch thread(s),

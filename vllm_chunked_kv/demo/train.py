@@ -25,7 +25,8 @@ accuracy on its training batches reaches the phase's target; everything
 same torch build and thread count). `--steps-scale` scales every budget, for
 quick runs. The output directory gets the model (fp32 safetensors, config),
 the tokenizer and a TRAINING.md with the command, the time and held-out
-accuracies.
+accuracies. `demo.finetune` continues training a saved model under staggered
+grids with the last phase's recipe.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Phase:
     num_queries: int = 1
     target_accuracy: float = 2.0  # running accuracy on the goal task that ends the phase early (> 1: never)
     min_steps: int = 0
-    compressed: bool = False  # train under FINETUNE_COMPRESSION
+    compressed: bool = False  # train under the run's compression (FINETUNE_COMPRESSION unless given)
     full_rows: int = 0  # with compressed: the last rows of each batch run with full attention
     decay: bool = False  # cosine-decay the learning rate over the phase
 
@@ -95,8 +96,12 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((predicted[keep] == target[keep]).float().mean())
 
 
-def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, log, gains=None) -> int:
-    """Train one phase; returns the number of steps taken. `gains`: learned slot-gain logits."""
+def run_phase(
+    model, optimizer, phase: Phase, rng: random.Random, step0: int, log, gains=None,
+    compression: ChunkedKVConfig = FINETUNE_COMPRESSION,
+) -> int:
+    """Train one phase; returns the number of steps taken. `gains`: learned
+    slot-gain logits; `compression`: the chunked attention of a compressed phase."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     running = 0.0
     for step in range(phase.max_steps):
@@ -111,7 +116,7 @@ def run_phase(model, optimizer, phase: Phase, rng: random.Random, step0: int, lo
         labels = torch.cat([p[1] for p in parts])  # [batch, length]
         split = len(ids) - phase.full_rows if phase.compressed else 0  # rows [0, split) compressed
         logits, loss = [], 0.0
-        for rows, cfg in ((slice(0, split), FINETUNE_COMPRESSION), (slice(split, None), None)):
+        for rows, cfg in ((slice(0, split), compression), (slice(split, None), None)):
             if rows.start == len(ids) or rows.stop == 0:
                 continue
             with chunked_attention(model, cfg, gains):
@@ -148,7 +153,7 @@ def train(seed: int, steps_scale: float = 1.0, log=print, gated: bool = False) -
     torch.manual_seed(seed)
     model = build_model(seed)
     model.train()
-    optimizer = _optimizer(model)
+    optimizer = make_optimizer(model)
     record = []
     step0 = 0
     for phase in CURRICULUM:
@@ -176,14 +181,14 @@ def train(seed: int, steps_scale: float = 1.0, log=print, gated: bool = False) -
     return Trained(model, record, gated_model.eval(), gains)
 
 
-def _optimizer(model):
+def make_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
 
 
 def _copy_optimizer(optimizer, model):
     """A new optimizer over `model`'s parameters (a deep copy of the model
     `optimizer` optimises, parameters in the same order) with its state."""
-    twin = _optimizer(model)
+    twin = make_optimizer(model)
     twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     return twin
 
