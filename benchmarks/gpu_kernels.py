@@ -5,16 +5,21 @@
 1. Measures the device's copy bandwidth (``dst.copy_(src)`` of 1 GiB: bytes
    read + written per second).
 2. Checks every available implementation (CUDA extension, Triton) against
-   the PyTorch reference on small shapes, for every mitigation and a
-   staggered grid: `attend` against `paged.attend`, `pool_chunk` against
-   `reference.pool_chunk` (max abs error, fp32).
-3. Times decode (one new token per request) and a prefill piece
+   the reference on small shapes, for every mitigation and a staggered
+   grid: two steps on compressed pages (whole prompts, then decodes and a
+   chunk), outputs against `reference_chunked_attention`, compressed pages
+   against PyTorch's `write_chunks` (max abs error, fp32).
+3. Times one layer's step (`write_chunks` + `attend`, as the backend runs
+   them) for decode (one new token per request) and a prefill piece
    (``--prefill-tokens`` new tokens) at each context length, for each
-   implementation and mitigation, and vLLM's Triton unified attention and
-   FlashAttention on the same shapes (full attention: what the chunked
-   kernels replace). Achieved bandwidth = bytes of stored KV rows the call
-   must read / time, also as a fraction of the copy bandwidth (prefill is
-   compute-bound: its fraction is reported, not expected to be near 1).
+   implementation and mitigation, on compressed and raw pages laid out as
+   the backend lays them out; and vLLM's Triton unified attention and
+   FlashAttention on the same shapes over every position (full attention:
+   what the chunked kernels replace). Achieved bandwidth = bytes of K/V rows
+   the call must read (chunked: stored raw rows, new rows, compressed slots;
+   full: every position) / time, also as a fraction of the copy bandwidth
+   (prefill is compute-bound: its fraction is reported, not expected to be
+   near 1). Compare times across rows, bandwidth within a row.
 
 Prints a Markdown table and writes everything as JSON. With ``--device cpu
 --impls torch`` and small shapes it runs the same steps on the PyTorch path
@@ -25,6 +30,7 @@ reported as skipped with the reason.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -33,8 +39,11 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import dispatch, paged, reference
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.reference import reference_chunked_attention
+from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
 
 MITIGATIONS = ("none", "boundary", "overlap", "stride2")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -101,31 +110,59 @@ def make_cfg(mitigation: str, args) -> ChunkedKVConfig:
     return ChunkedKVConfig(**settings)
 
 
-def make_problem(seq_lens, q_lens, args, device, dtype):
-    """A paged cache in this project's layout (and vLLM's split K/V layout
-    over the same pages), queries and the PagedBatch."""
+def _pages(num_reqs: int, count: int, device) -> torch.Tensor:
+    """A block table of ``count`` distinct, shuffled pages per request (page 0 unused)."""
+    order = torch.randperm(num_reqs * count) + 1
+    return order.view(num_reqs, count).to(device)  # [num_reqs, count]
+
+
+def make_problem(seq_lens, q_lens, cfg: ChunkedKVConfig, args, device, dtype, *, bias: bool):
+    """A step of ``q_lens`` new tokens per request ending at ``seq_lens``, on
+    compressed and raw pages in the backend's layout (random rows), its plan,
+    queries and the step's K/V. Raw pages outside the window map to page 0,
+    as vLLM frees them."""
     bs = args.block_size
-    pages = [math.ceil(s / bs) for s in seq_lens]
-    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    order = torch.randperm(sum(pages))
-    used = 0
-    for r, count in enumerate(pages):
-        table[r, :count] = order[used : used + count]
-        used += count
+    per_block = layout.states_per_block(cfg, bs)
+    num_reqs, width = len(seq_lens), args.num_kv_heads
+    origins = cfg.origins(0, args.num_kv_heads)
+    keep = layout.forever_raw(cfg, origins)
+    comp_table = _pages(num_reqs, math.ceil(max(seq_lens) / bs), device)
+    raw_pages = math.ceil(max(seq_lens) / per_block)
+    raw_table = _pages(num_reqs, raw_pages, device)
+    positions = torch.arange(raw_pages, device=device) * per_block  # first position of each raw page
+    for r, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        dead = (positions >= keep) & (positions + per_block <= seq_len - q_len - layout.raw_window(cfg))
+        raw_table[r, dead] = 0
     d = args.head_size
-    kv_cache = torch.randn(sum(pages), args.num_kv_heads, bs, 2 * d, device=device, dtype=dtype)
-    query = torch.randn(sum(q_lens), args.num_heads, d, device=device, dtype=dtype)
-    batch = paged.PagedBatch.from_vllm(
-        query_start_loc=torch.tensor([0, *q_lens]).cumsum(0),
-        seq_lens=torch.tensor(seq_lens),
-        block_table=table.to(device),
-        block_size=bs,
+    comp = torch.randn(comp_table.numel() + 1, width, per_block, 2 * d, device=device, dtype=dtype)
+    raw = torch.randn(raw_table.numel() + 1, width, per_block, 2 * d, device=device, dtype=dtype)
+    batch = PagedBatch(
+        query_start=[0, *itertools.accumulate(q_lens)], seq_lens=list(seq_lens), block_table=comp_table,
+        block_size=bs, raw_block_table=raw_table, raw_block_size=per_block, raw_window=layout.raw_window(cfg),
+        raw_sink_tokens=keep,
     )
-    return query, kv_cache, batch
+    plan = build_plan(batch, cfg, origins, bias=bias)
+    n = sum(q_lens)
+    query = torch.randn(n, args.num_heads, d, device=device, dtype=dtype)
+    step_rows = torch.randn(n, width, 2 * d, device=device, dtype=dtype)  # [n, Hkv, D + Dv]
+    return query, step_rows, comp, raw, plan
 
 
-def kv_bytes(seq_lens, args, dtype) -> int:
-    """Bytes of stored KV rows a call must read (each row once)."""
+def step(ops, query, step_rows, comp, raw, plan, head_size: int, scale: float = 0.1):
+    """What the backend runs per layer and step (raw rows are written by
+    `write_raw`, the same torch scatter for every implementation, not timed)."""
+    ops.write_chunks(comp, raw, step_rows, plan.writes, plan.cfg, head_size)
+    return ops.attend(query, step_rows, comp, raw, plan, scale)
+
+
+def read_bytes(plan, num_kv_heads: int, head_size: int, dtype) -> int:
+    """Bytes of stored and new K/V rows one attention call must read (each row once)."""
+    rows = sum(int(keys.num_raw.sum()) + keys.query_index.numel() + int(keys.num_slots.sum()) for keys in plan.key_sets)
+    return rows * num_kv_heads * 2 * head_size * torch.empty((), dtype=dtype).element_size()
+
+
+def full_bytes(seq_lens, args, dtype) -> int:
+    """Bytes of K/V rows full attention reads (every position once)."""
     row = args.num_kv_heads * 2 * args.head_size * torch.empty((), dtype=dtype).element_size()
     return sum(seq_lens) * row
 
@@ -134,26 +171,60 @@ def kv_bytes(seq_lens, args, dtype) -> int:
 
 
 def run_checks(impls: list[str], mitigations: list[str], args, device) -> list[dict]:
-    """Max abs error of each implementation against the reference, fp32, small shapes."""
+    """Each implementation against the reference, fp32, small shapes: a
+    prefill of several requests and a mixed step after it (max abs error of
+    the outputs against `reference_chunked_attention`, and of the compressed
+    pages against PyTorch's `write_chunks`)."""
     small = argparse.Namespace(**{**vars(args), "num_heads": 8, "num_kv_heads": 2, "head_size": 64,
-                                  "window": 16, "chunk_size": args.chunk_size, "sink_tokens": 3})
+                                  "window": 16, "sink_tokens": 3})
     results = []
-    torch.manual_seed(0)
-    query, kv_cache, batch = make_problem([300, 257, 1, 411], [300, 1, 1, 37], small, device, torch.float32)
     for impl in impls:
         for name in [*mitigations, "stagger"]:
-            cfg = make_cfg(name, small) if name != "stagger" else ChunkedKVConfig(
-                chunk_size=args.chunk_size, window=16, sink_tokens=3, mitigation="stagger")
-            origins = torch.tensor(cfg.origins(0, small.num_kv_heads), device=device)
-            got = dispatch.attend(query, kv_cache, batch, 0.125, cfg, origins, impl=impl)
-            want = paged.attend(query, kv_cache, batch, 0.125, cfg, origins)
-            keys = torch.randn(50, 2, cfg.chunk_size, 64, device=device)
-            values = torch.randn(50, 2, cfg.chunk_size, 64, device=device)
-            pooled = dispatch.pool_chunk(keys, values, cfg, impl=impl)
-            pool_err = max((g - w).abs().max().item() for g, w in zip(pooled, reference.pool_chunk(keys, values, cfg)))
-            for op, err in (("attend", (got - want).abs().max().item()), ("pool_chunk", pool_err)):
+            cfg = make_cfg(name, small)
+            attend_err, write_err = check_one(dispatch.ops(impl), cfg, small, device)
+            for op, err in (("attend", attend_err), ("write_chunks", write_err)):
                 results.append({"impl": impl, "op": op, "mitigation": name, "max_abs_err": err, "ok": err <= 1e-3})
     return results
+
+
+def check_one(ops, cfg: ChunkedKVConfig, args, device) -> tuple[float, float]:
+    """Run two steps (whole prompts, then a mix of decodes and a chunk) through
+    ``ops``; return the largest output and compressed-page errors."""
+    gen = torch.Generator().manual_seed(0)
+    ends, news = [300, 257, 1, 411], [300, 1, 1, 37]  # positions after the second step, tokens in it
+    heads, group, d = args.num_kv_heads, args.num_heads // args.num_kv_heads, args.head_size
+    q = [torch.randn(n, heads * group, d, generator=gen) for n in ends]
+    kv = [torch.randn(n, heads, 2 * d, generator=gen) for n in ends]
+    origins = cfg.origins(0, heads)
+    bs, per_block = args.block_size, layout.states_per_block(cfg, args.block_size)
+    comp_table = _pages(len(ends), math.ceil(max(ends) / bs), device)
+    raw_table = _pages(len(ends), math.ceil(max(ends) / per_block), device)  # every raw row kept
+    comp = torch.zeros(comp_table.numel() + 1, heads, per_block, 2 * d, device=device)
+    raw = torch.zeros(raw_table.numel() + 1, heads, per_block, 2 * d, device=device)
+    attend_err = write_err = 0.0
+    for lo_hi in ([(0, e - n) for e, n in zip(ends, news)], [(e - n, e) for e, n in zip(ends, news)]):
+        reqs = [r for r, (lo, hi) in enumerate(lo_hi) if hi > lo]
+        batch = PagedBatch(
+            query_start=[0, *itertools.accumulate(lo_hi[r][1] - lo_hi[r][0] for r in reqs)],
+            seq_lens=[lo_hi[r][1] for r in reqs], block_table=comp_table[reqs], block_size=bs,
+            raw_block_table=raw_table[reqs], raw_block_size=per_block, raw_window=1 << 30,
+            raw_sink_tokens=0)
+        plan = build_plan(batch, cfg, origins, bias=ops.needs_bias)
+        query = torch.cat([q[r][lo:hi] for r, (lo, hi) in enumerate(lo_hi) if r in reqs]).to(device)
+        rows = torch.cat([kv[r][lo:hi] for r, (lo, hi) in enumerate(lo_hi) if r in reqs]).to(device)
+        slots = torch.cat([raw_table[r][torch.arange(lo, hi) // per_block] * per_block + torch.arange(lo, hi) % per_block
+                           for r, (lo, hi) in enumerate(lo_hi) if r in reqs])
+        ops.write_raw(raw, rows, slots.to(device), plan.raw_writes)
+        want = comp.clone()
+        dispatch.ops("torch").write_chunks(want, raw, rows, plan.writes, cfg, d)
+        ops.write_chunks(comp, raw, rows, plan.writes, cfg, d)
+        write_err = max(write_err, (comp - want).abs().max().item())
+        out = ops.attend(query, rows, comp, raw, plan, 0.125).float().cpu()
+        for (r, (lo, hi)), got in zip([(r, lo_hi[r]) for r in reqs], out.split([hi - lo for lo, hi in lo_hi if hi > lo])):
+            ref = reference_chunked_attention(q[r][:hi], kv[r][:hi, :, :d], kv[r][:hi, :, d:], cfg, scale=0.125,
+                                              origins=origins)[lo:hi]
+            attend_err = max(attend_err, (got - ref).abs().max().item())
+    return attend_err, write_err
 
 
 # ------------------------------------------------------------------ baselines
@@ -189,23 +260,26 @@ def vllm_baselines(device: torch.device) -> dict[str, Callable | str]:
     return out
 
 
-def baseline_inputs(query, kv_cache, batch, args):
-    """vLLM's split layout [num_blocks, block_size, Hkv, D] over the same pages."""
-    d = args.head_size
-    k = kv_cache[..., :d].transpose(1, 2).contiguous()  # [nb, Hkv, bs, D] -> [nb, bs, Hkv, D]
-    v = kv_cache[..., d:].transpose(1, 2).contiguous()  # [nb, Hkv, bs, Dv] -> [nb, bs, Hkv, Dv]
-    n, device = query.shape[0], query.device
-    q_lens = [b - a for a, b in zip(batch.query_start[:-1], batch.query_start[1:])]
+def baseline_inputs(seq_lens, q_lens, args, device, dtype):
+    """Full-attention inputs in vLLM's split layout ``[num_blocks, block_size,
+    Hkv, D]``, every position stored (what the chunked kernels replace)."""
+    d, bs = args.head_size, args.block_size
+    table = _pages(len(seq_lens), math.ceil(max(seq_lens) / bs), device).to(torch.int32)
+    k = torch.randn(table.numel() + 1, bs, args.num_kv_heads, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    n = sum(q_lens)
+    query = torch.randn(n, args.num_heads, d, device=device, dtype=dtype)
     threshold = 128 // args.num_kv_heads
     meta = {
-        "cu_q": torch.tensor(batch.query_start, dtype=torch.int32, device=device), "max_q": max(q_lens),
-        "seqused_k": torch.tensor(batch.seq_lens, dtype=torch.int32, device=device), "max_k": max(batch.seq_lens),
-        "scale": args.head_size**-0.5, "block_table": batch.block_table, "threshold_3d": threshold,
-        "segm_out": torch.empty(threshold, args.num_heads, 16, 1 << (d - 1).bit_length(), dtype=torch.float32, device=device),
+        "cu_q": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device),
+        "max_q": max(q_lens), "seqused_k": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "max_k": max(seq_lens), "scale": d**-0.5, "block_table": table, "threshold_3d": threshold,
+        "segm_out": torch.empty(threshold, args.num_heads, 16, 1 << (d - 1).bit_length(), dtype=torch.float32,
+                                device=device),
         "segm_max": torch.empty(threshold, args.num_heads, 16, dtype=torch.float32, device=device),
         "segm_sum": torch.empty(threshold, args.num_heads, 16, dtype=torch.float32, device=device),
     }
-    return k, v, torch.empty(n, args.num_heads, d, dtype=query.dtype, device=device), meta
+    return query, k, v, torch.empty(n, args.num_heads, d, dtype=dtype, device=device), meta
 
 
 # ------------------------------------------------------------------ timing
@@ -218,12 +292,10 @@ def run_timings(impls, mitigations, args, device, dtype, copy_gbps) -> list[dict
     if args.prefill_tokens:
         shapes += [("prefill", 1, [ctx], [min(args.prefill_tokens, ctx)]) for ctx in args.contexts]
     for mode, batch_size, seq_lens, q_lens in shapes:
-        query, kv_cache, batch = make_problem(seq_lens, q_lens, args, device, dtype)
-        nbytes = kv_bytes(seq_lens, args, dtype)
-        base = {"mode": mode, "context": seq_lens[0], "batch": batch_size, "new_tokens": sum(q_lens), "kv_bytes": nbytes}
+        base = {"mode": mode, "context": seq_lens[0], "batch": batch_size, "new_tokens": sum(q_lens)}
 
-        def record(impl, mitigation, fn):
-            row = {**base, "impl": impl, "mitigation": mitigation}
+        def record(impl, mitigation, nbytes, fn):
+            row = {**base, "impl": impl, "mitigation": mitigation, "kv_bytes": nbytes}
             try:
                 ms = _timer(device, fn, args.repeats)
                 gbps = nbytes / (ms * 1e-3) / 1e9
@@ -233,18 +305,22 @@ def run_timings(impls, mitigations, args, device, dtype, copy_gbps) -> list[dict
             rows.append(row)
 
         for impl in impls:
+            ops = dispatch.ops(impl)
             for mitigation in mitigations:
                 cfg = make_cfg(mitigation, args)
-                origins = torch.zeros(args.num_kv_heads, dtype=torch.int32, device=device)
-                record(impl, mitigation, lambda: dispatch.attend(query, kv_cache, batch, 0.1, cfg, origins, impl=impl))
-        k, v, out, meta = baseline_inputs(query, kv_cache, batch, args)
+                problem = make_problem(seq_lens, q_lens, cfg, args, device, dtype, bias=ops.needs_bias)
+                nbytes = read_bytes(problem[-1], args.num_kv_heads, args.head_size, dtype)
+                record(impl, mitigation, nbytes, lambda: step(ops, *problem, args.head_size))
+                del problem
+        nbytes = full_bytes(seq_lens, args, dtype)
+        inputs = baseline_inputs(seq_lens, q_lens, args, device, dtype) if device.type == "cuda" else None
         for name, runner in baselines.items():
             if isinstance(runner, str):
-                rows.append({**base, "impl": name, "mitigation": "full attention", "ms": None, "gbps": None,
-                             "fraction_of_copy": None, "status": f"skipped: {runner}"})
+                rows.append({**base, "impl": name, "mitigation": "full attention", "kv_bytes": nbytes, "ms": None,
+                             "gbps": None, "fraction_of_copy": None, "status": f"skipped: {runner}"})
             else:
-                record(name, "full attention", lambda: runner(query, k, v, out, meta))
-        del query, kv_cache, batch, k, v, out
+                record(name, "full attention", nbytes, lambda: runner(*inputs))
+        del inputs
     return rows
 
 

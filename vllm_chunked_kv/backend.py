@@ -7,8 +7,9 @@
   step's index plan (built once per step from both cache groups).
 - `ChunkedKVMetadataBuilder`: turns vLLM's common metadata into ours.
 - `ChunkedKVImpl`: stores the step's raw rows, writes the chunks they
-  complete into the compressed pages, and computes attention
-  (`ops/compressed.py`).
+  complete into the compressed pages, and computes attention, through the
+  implementation `ops/dispatch.py` picks for the device (CUDA, then
+  Triton, on a GPU; PyTorch, `ops/compressed.py`, elsewhere).
 
 Each layer has two caches, both ``[num_blocks, num_kv_heads, rows_per_page,
 head_size + head_size_v]`` (keys then values, vLLM's LBHNC layout): its own
@@ -39,7 +40,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed
+from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.registration import BACKEND_NAME
 
@@ -125,16 +126,17 @@ class ChunkedKVMetadata:
     block_size: int  # tokens per compressed page
     plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
 
-    def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw) -> StepPlan:
+    def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw, bias: bool) -> StepPlan:
         """The step's index plan for KV heads with these grid origins; `raw`
-        is the companion group's metadata of the same step."""
+        is the companion group's metadata of the same step; `bias`: whether
+        the attention implementation reads the dense bias."""
         if origins not in self.plans:
             batch = PagedBatch(
                 query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
                 block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
                 raw_window=raw.sliding_window, raw_sink_tokens=raw.sink_tokens,
             )
-            self.plans[origins] = build_plan(batch, cfg, list(origins))
+            self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
         return self.plans[origins]
 
 
@@ -206,6 +208,9 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self._static_forward_context = vllm_config.compilation_config.static_forward_context
         self._origins_cache: tuple[int, ...] | None = None
         self._raw_pages = None
+        device = vllm_config.device_config.device if vllm_config.device_config is not None else None
+        impl = dispatch.choose(device, cfg=self.config, head_size=head_size, group=num_heads // num_kv_heads)
+        self.ops = dispatch.ops(impl)
         logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -253,11 +258,16 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, D + Dv]
         raw_pages = self._raw_pages
         raw = _step_metadata(raw_pages.layer_name)
-        plan = attn_metadata.plan(self.config, self._origins(layer), raw)
-        compressed.write_raw(raw_pages.kv_cache, step_rows, raw.slot_mapping[:n], plan.raw_writes)
-        compressed.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, self.config, self.head_size)
-        out = compressed.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale)  # [n, Hq, Dv]
-        output[:n].view_as(out).copy_(out)
+        ops = self.ops
+        plan = attn_metadata.plan(self.config, self._origins(layer), raw, ops.needs_bias)
+        ops.write_raw(raw_pages.kv_cache, step_rows, raw.slot_mapping[:n], plan.raw_writes)
+        ops.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, self.config, self.head_size)
+        out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
+        if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
+            out = None
+        result = ops.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale, out=out)
+        if result is not out:
+            output[:n].view_as(result).copy_(result)
         return output
 
 

@@ -36,6 +36,9 @@ class ChunkedKVConfigError(ValueError):
         where = ADDITIONAL_CONFIG_KEY if field is None else f"{ADDITIONAL_CONFIG_KEY}.{field}"
         super().__init__(f"{where}: {detail}")
 
+    def __reduce__(self):  # travels to and from worker processes intact
+        return type(self), (self.field, self.detail)
+
     @classmethod
     def from_validation_error(cls, exc: ValidationError, allowed: tuple[str, ...]) -> ChunkedKVConfigError:
         """The first error of a pydantic ValidationError, as one line."""

@@ -6,8 +6,9 @@ imports Triton. In a full test session Triton is loaded long before these
 tests, so they cannot switch to the interpreter in-process. The `triton_ops`
 fixture starts one worker process per session with ``TRITON_INTERPRET=1`` set
 from its start; ``triton_ops.pool.pool_chunk(...)``,
-``triton_ops.attention.attend(...)`` and ``triton_ops.dispatch.<fn>(...)``
-run there. Arguments and results travel pickled; an exception is raised
+``triton_ops.attention.attend(...)``, ``triton_ops.dispatch.<fn>(...)`` and
+``triton_ops.schedule.run_schedule(..., impl="triton")`` (a whole checked
+schedule, `schedule.py`) run there. Arguments and results travel pickled; an exception is raised
 again here with the worker's traceback attached. A call given ``out=`` must
 return that very tensor (checked in the worker), so a NaN-filled ``out``
 whose elements come back unwritten fails the test.
@@ -52,7 +53,8 @@ while True:
 class _Worker:
     def __init__(self) -> None:
         self.conn, child = Pipe()
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        # The worker imports what this process can (the test helpers included).
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER, str(child.fileno())], pass_fds=[child.fileno()], env=env
         )
@@ -87,9 +89,12 @@ class _Module:
 
 class TritonOps:
     def __init__(self, worker: _Worker) -> None:
+        from . import schedule
+
         self.pool = _Module(worker, "vllm_chunked_kv.ops.triton_pool")
         self.attention = _Module(worker, "vllm_chunked_kv.ops.triton_attention")
         self.dispatch = _Module(worker, "vllm_chunked_kv.ops.dispatch")
+        self.schedule = _Module(worker, schedule.__name__)
 
 
 @pytest.fixture(scope="session")

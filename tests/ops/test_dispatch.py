@@ -9,16 +9,16 @@
   reasons; CUDA's kernel limits (GQA group, head size) send a shape on.
 - ``CHUNKED_KV_IMPL`` (or ``impl=``) forces one; one that cannot run is an
   error that carries the reasons; an unknown name is an error.
-- `attend` and `pool_chunk` have `paged.attend`'s and
-  `reference.pool_chunk`'s signatures and results: on CPU the PyTorch path,
-  forced to Triton (interpreter worker) the same numbers.
+- `ops(impl)` gives an implementation's step ops: PyTorch's are
+  `compressed.py`'s (and need the plan's bias); forced to Triton
+  (interpreter worker) a whole schedule gives the reference's numbers.
 """
 
 import pytest
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import dispatch, paged, reference
+from vllm_chunked_kv.ops import compressed, dispatch
 
 torch.set_num_threads(1)
 CFG = ChunkedKVConfig(chunk_size=4, window=8, sink_tokens=2, mitigation="boundary", pooling="key_norm")
@@ -30,19 +30,6 @@ def _fresh_choices(monkeypatch):
     dispatch.clear_choices()
     yield
     dispatch.clear_choices()
-
-
-def _paged_case(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    kv_cache = torch.randn(12, 2, 8, 32, generator=gen)  # [blocks, Hkv, block_size, D + Dv]
-    batch = paged.PagedBatch.from_vllm(
-        query_start_loc=torch.tensor([0, 40, 41]),
-        seq_lens=torch.tensor([40, 37]),
-        block_table=torch.tensor([[3, 0, 7, 1, 9], [2, 4, 11, 5, 6]], dtype=torch.int32),
-        block_size=8,
-    )
-    query = torch.randn(41, 8, 16, generator=gen)
-    return query, kv_cache, batch
 
 
 def test_torch_is_always_available():
@@ -127,26 +114,16 @@ def test_forcing_an_implementation(monkeypatch):
         dispatch.choose("cpu", impl="cuda")
 
 
-def test_attend_on_cpu_is_the_torch_path():
-    query, kv_cache, batch = _paged_case()
-    origins = torch.tensor([0, 2])
-    got = dispatch.attend(query, kv_cache, batch, 0.25, CFG, origins)
-    want = paged.attend(query, kv_cache, batch, 0.25, CFG, origins)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+def test_torch_ops_are_the_compressed_path():
+    ops = dispatch.ops("torch")
+    assert (ops.write_raw, ops.write_chunks, ops.attend) == (compressed.write_raw, compressed.write_chunks,
+                                                             compressed.attend)
+    assert ops.needs_bias
+    with pytest.raises(ValueError, match="unknown implementation"):
+        dispatch.ops("xformers")
 
 
-def test_pool_chunk_on_cpu_is_the_reference():
-    keys, values = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4, 8)
-    for got, want in zip(dispatch.pool_chunk(keys, values, CFG), reference.pool_chunk(keys, values, CFG)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def test_forced_triton_gives_the_same_numbers(triton_ops):
-    query, kv_cache, batch = _paged_case(1)
-    origins = torch.tensor([1, 3])
-    got = triton_ops.dispatch.attend(query, kv_cache, batch, 0.25, CFG, origins, impl="triton")
-    want = paged.attend(query, kv_cache, batch, 0.25, CFG, origins)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    keys, values = torch.randn(5, 4, 16), torch.randn(5, 4, 8)
-    for got, want in zip(triton_ops.dispatch.pool_chunk(keys, values, CFG, impl="triton"), reference.pool_chunk(keys, values, CFG)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_forced_triton_runs_a_checked_schedule(triton_ops):
+    cfg = ChunkedKVConfig(mitigation="stagger", chunk_size=4, window=6, sink_tokens=1)
+    assert triton_ops.dispatch.choose("cpu", impl="triton") == "triton"
+    assert triton_ops.schedule.run_schedule(cfg, [40, 9], seed=3, impl="triton", tol=1e-4) > 1

@@ -61,10 +61,11 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
-           plan: StepPlan, scale: float) -> torch.Tensor:
+           plan: StepPlan, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query token of the step: query ``[n, Hq, D]``,
     step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V) -> ``[n, Hq, Dv]`` in the
-    query dtype (fp32 math).
+    query dtype (fp32 math), written into ``out`` when given. The plan must
+    carry its bias (`build_plan(..., bias=True)`).
 
     Each key set's rows are gathered per KV head (``[b, Hkv, N, Dk + Dv]``,
     three parts: stored raw rows, the step's own rows, compressed slots) and
@@ -75,7 +76,8 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     n, num_heads, head_size = query.shape
     num_kv_heads = raw_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = query.new_empty(n, num_heads, raw_cache.shape[-1] - head_size)
+    if out is None:
+        out = query.new_empty(n, num_heads, raw_cache.shape[-1] - head_size)
     for keys in plan.key_sets:
         b, num_q = keys.query_index.shape
         raw = _gather(raw_cache, keys.raw_blocks, keys.raw_offsets)  # [b, Hkv, Nr, Dk + Dv]

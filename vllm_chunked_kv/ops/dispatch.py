@@ -1,5 +1,5 @@
 """Which implementation runs the chunked KV ops: the CUDA extension, the
-Triton kernels, or the PyTorch path (`paged.py` / `reference.py`).
+Triton kernels, or the PyTorch path (`compressed.py`).
 
 - `available(impl, device, ...)` lists the reasons why an implementation
   cannot run there (empty: it can).
@@ -9,8 +9,10 @@ Triton kernels, or the PyTorch path (`paged.py` / `reference.py`).
   environment variable ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` |
   ``torch`` forces one (an error, with the reasons, if it cannot run);
   ``auto`` or unset picks.
-- `attend` and `pool_chunk` have the signatures of `paged.attend` and
-  `reference.pool_chunk` (plus a keyword-only ``impl``) and route the call.
+- `ops(impl)` returns the implementation's three step ops, with the
+  signatures of `compressed.write_raw`, `compressed.write_chunks` and
+  `compressed.attend`; only the PyTorch `attend` reads the plan's dense
+  bias (`needs_bias`).
 
 Nothing heavy is imported until an implementation is asked about: a CPU-only
 process never imports Triton through this module and never compiles CUDA.
@@ -21,11 +23,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import paged, reference
+from vllm_chunked_kv.ops import compressed
 
 IMPLS = ("cuda", "triton", "torch")
 IMPL_ENV = "CHUNKED_KV_IMPL"
@@ -131,38 +135,31 @@ def clear_choices() -> None:
     _choices.clear()
 
 
+class Ops(NamedTuple):
+    """One implementation's step ops (signatures of `compressed.py`)."""
+
+    name: str
+    write_raw: Callable
+    write_chunks: Callable
+    attend: Callable
+
+    @property
+    def needs_bias(self) -> bool:
+        """Whether `attend` reads the plan's dense bias (`build_plan(..., bias=True)`)."""
+        return self.name == "torch"
+
+
 @functools.cache
-def _impl_module(impl: str):
+def ops(impl: str) -> Ops:
+    """The step ops of ``impl`` (check `available` first: this imports it)."""
+    if impl == "torch":
+        return Ops("torch", compressed.write_raw, compressed.write_chunks, compressed.attend)
     if impl == "cuda":
         from vllm_chunked_kv.ops import cuda_ext
 
-        return cuda_ext
-    from vllm_chunked_kv.ops import triton_attention, triton_pool
+        return Ops("cuda", compressed.write_raw, cuda_ext.write_chunks, cuda_ext.attend)
+    if impl == "triton":
+        from vllm_chunked_kv.ops import triton_attention, triton_pool
 
-    return triton_attention, triton_pool
-
-
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, batch: paged.PagedBatch, scale: float,
-           cfg: ChunkedKVConfig | None = None, origins: torch.Tensor | None = None, *,
-           impl: str | None = None) -> torch.Tensor:
-    """`paged.attend` by the chosen implementation: query ``[n, Hq, D]`` ->
-    ``[n, Hq, Dv]`` in the query dtype."""
-    head_size = query.shape[-1]
-    impl = choose(query.device, impl=impl, cfg=cfg, head_size=head_size, head_size_v=kv_cache.shape[-1] - head_size,
-                  group=query.shape[1] // kv_cache.shape[1])
-    if impl == "torch":
-        return paged.attend(query, kv_cache, batch, scale, cfg, origins)
-    if impl == "cuda":
-        return _impl_module("cuda").attend(query, kv_cache, batch, scale, cfg, origins)
-    return _impl_module("triton")[0].attend(query, kv_cache, batch, scale, cfg, origins)
-
-
-def pool_chunk(keys: torch.Tensor, values: torch.Tensor, cfg: ChunkedKVConfig, *,
-               impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`reference.pool_chunk` by the chosen implementation."""
-    impl = choose(keys.device, impl=impl, cfg=cfg, head_size=keys.shape[-1], head_size_v=values.shape[-1])
-    if impl == "torch":
-        return reference.pool_chunk(keys, values, cfg)
-    if impl == "cuda":
-        return _impl_module("cuda").pool_chunk(keys, values, cfg)
-    return _impl_module("triton")[1].pool_chunk(keys, values, cfg)
+        return Ops("triton", compressed.write_raw, triton_pool.write_chunks, triton_attention.attend)
+    raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")

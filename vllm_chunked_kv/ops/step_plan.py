@@ -71,33 +71,46 @@ class ChunkWrites:
 
 @dataclass
 class KeySet:
-    """Rows attended by `num_queries` query tokens of each of `batch` requests."""
+    """Rows attended by `num_queries` query tokens of each of `batch` requests.
+
+    Column ``n`` of the compressed part is the request's slot ``n`` (valid
+    below ``num_slots``); which rows a query sees follows from the positions
+    and the config (`_bias`), so kernels recompute it instead of reading
+    ``bias``, which is only built for the PyTorch path."""
 
     query_index: torch.Tensor  # [batch, L] token index of each query; its rows are the step's own raw rows
+    query_positions: torch.Tensor  # [batch, L] position of each query (consecutive within a request)
     raw_blocks: torch.Tensor  # [batch, Nr] raw page of each raw row stored before the step
     raw_offsets: torch.Tensor  # [batch, Nr]
-    raw_padding: torch.Tensor  # [batch, Nr] True where the row is padding (zeroed)
+    raw_positions: torch.Tensor  # [batch, Nr] position of each stored raw row (0 on padding)
+    raw_padding: torch.Tensor  # [batch, Nr] True where the row is padding (never read)
+    num_raw: torch.Tensor  # [batch] stored raw rows of each request (padding follows them)
     comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot
     comp_offsets: torch.Tensor  # [batch, Nc]
-    bias: torch.Tensor  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
+    num_slots: torch.Tensor  # [batch] slots of the request that may be visible (the rest is padding)
+    bias: torch.Tensor | None  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
 
 
 @dataclass
 class StepPlan:
+    cfg: ChunkedKVConfig
+    origins: torch.Tensor  # [Hkv] grid origin of each KV head
     raw_writes: torch.Tensor  # [W] token indices whose raw rows are stored
     writes: ChunkWrites
     key_sets: list[KeySet]
 
 
-def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int]) -> StepPlan:
-    """The plan of one step for KV heads with grid `origins`."""
+def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, bias: bool = True) -> StepPlan:
+    """The plan of one step for KV heads with grid `origins`; without `bias`,
+    the key sets carry no bias (kernels compute visibility themselves)."""
     device = batch.block_table.device
     num_reqs = len(batch.seq_lens)
     q_lens = [batch.query_start[r + 1] - batch.query_start[r] for r in range(num_reqs)]
     decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
-    key_sets = [_key_set(batch, cfg, origins, decodes)] if decodes else []
-    key_sets += [_key_set(batch, cfg, origins, [r]) for r in range(num_reqs) if q_lens[r] > 1]
-    return StepPlan(raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, origins, q_lens, device),
+    key_sets = [_key_set(batch, cfg, origins, decodes, bias)] if decodes else []
+    key_sets += [_key_set(batch, cfg, origins, [r], bias) for r in range(num_reqs) if q_lens[r] > 1]
+    return StepPlan(cfg=cfg, origins=torch.tensor(origins, dtype=torch.long, device=device),
+                    raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, origins, q_lens, device),
                     key_sets=key_sets)
 
 
@@ -172,7 +185,7 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
 # ----------------------------------------------------------------- key sets
 
 
-def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: list[int]) -> KeySet:
+def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: list[int], with_bias: bool) -> KeySet:
     """Gather indices and bias for the queries of `reqs` (all decodes, or one
     request), padded to the longest request."""
     device = batch.block_table.device
@@ -203,14 +216,18 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
     t = torch.tensor(queries, **long)  # [b, L]: one query each, or one request's queries
     q_index = t - t[:, :1] + torch.tensor([batch.query_start[r] for r in reqs], **long)[:, None]  # [b, L]
     per_block = layout.states_per_block(cfg, batch.block_size)
-    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, slot_valid)
+    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, slot_valid) if with_bias else None
     return KeySet(
         query_index=q_index,
+        query_positions=t,
         raw_blocks=batch.raw_block_table[req_t, raw_t // batch.raw_block_size].long(),
         raw_offsets=raw_t % batch.raw_block_size,
+        raw_positions=raw_t,
         raw_padding=raw_padding,
+        num_raw=torch.tensor([len(p) for p in raw_pos], **long),
         comp_blocks=batch.block_table[req_t, slot_t // per_block].long(),
         comp_offsets=slot_t % per_block,
+        num_slots=torch.tensor(num_slots, **long),
         bias=bias,
     )
 

@@ -1,10 +1,10 @@
-"""Triton pooling of sealed chunks into compressed rows (DESIGN.md §3-4).
+"""Triton pooling of the chunks a step completes into the compressed pages (DESIGN.md §3-4).
 
-`pool_chunk` has the signature and semantics of `reference.pool_chunk`:
-keys, values ``[..., chunk_size, head_dim]`` -> fp32 ``(key_row, value_row,
-log_weight)``. The slot-weight math (`_chunked_kv_slot_weights`) and the
-weighted sum (`_chunked_kv_pool_rows`) are Triton helpers that the attention
-kernel (`triton_attention.py`) calls too, so both kernels pool alike.
+`write_chunks` has the signature and semantics of `compressed.write_chunks`:
+one program pools ``BLOCK_C`` chunks of the step's `ChunkWrites`, each
+gathering its ``chunk_size`` rows from the step's own K/V or the stored raw
+pages, and stores the pooled row (and, with boundary retention, the chunk's
+first and last raw rows) at its compressed slots (`layout.py`).
 
 Every pooling mode is one code path: fixed gains (``mean``, ``gated``) come
 from `cfg.normalised_gains()` as a small tensor, ``key_norm`` is a softmax of
@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
 # Whether this module's kernels run under Triton's CPU interpreter (decided
 # when they are decorated, i.e. when this module is imported).
@@ -61,45 +63,90 @@ def _chunked_kv_pool_rows(weights, rows):
 
 
 @triton.jit
-def _chunked_kv_pool_kernel(
-    keys_ptr,  # [M, CHUNK_SIZE, HEAD_D]
-    values_ptr,  # [M, CHUNK_SIZE, HEAD_DV]
+def _chunked_kv_gather_chunk(step_ptr, raw_ptr, src_step, src_block, src_offset, ok, head,
+                             stride_st, stride_sh, stride_rb, stride_rh, stride_rs,
+                             COL0: tl.constexpr, WIDTH: tl.constexpr, W_P2: tl.constexpr):
+    """Columns ``[COL0, COL0 + WIDTH)`` of the rows of chunks ``[BLOCK_C,
+    CS_P2]``: the step's own row where ``src_step >= 0``, else the stored raw
+    row, rounded to the cache dtype and returned as fp32 ``[BLOCK_C, CS_P2, W_P2]``."""
+    col = tl.arange(0, W_P2)[None, None, :]
+    col_ok = col < WIDTH
+    own = ok & (src_step >= 0)  # [BLOCK_C, CS_P2]
+    stored = ok & (src_step < 0)
+    own_off = src_step.to(tl.int64) * stride_st + head[:, None].to(tl.int64) * stride_sh  # [BLOCK_C, CS_P2]
+    raw_off = src_block.to(tl.int64) * stride_rb + head[:, None].to(tl.int64) * stride_rh + src_offset.to(tl.int64) * stride_rs
+    own_rows = tl.load(step_ptr + own_off[:, :, None] + COL0 + col, mask=own[:, :, None] & col_ok, other=0.0)
+    raw_rows = tl.load(raw_ptr + raw_off[:, :, None] + COL0 + col, mask=stored[:, :, None] & col_ok, other=0.0)
+    own_rows = own_rows.to(raw_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(own[:, :, None], own_rows, raw_rows.to(tl.float32))
+
+
+@triton.jit
+def _chunked_kv_store_row(comp_ptr, dst_block, dst_offset, head, ok, key_row, value_row,
+                          stride_cb, stride_ch, stride_cs,
+                          HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr, DV_P2: tl.constexpr):
+    """Store one row per chunk (keys ``[BLOCK_C, D_P2]``, values ``[BLOCK_C,
+    DV_P2]``) at its compressed slot (block, offset) ``[BLOCK_C]``."""
+    base = dst_block.to(tl.int64) * stride_cb + head.to(tl.int64) * stride_ch + dst_offset.to(tl.int64) * stride_cs
+    d = tl.arange(0, D_P2)
+    dv = tl.arange(0, DV_P2)
+    dtype = comp_ptr.dtype.element_ty
+    tl.store(comp_ptr + base[:, None] + d[None, :], key_row.to(dtype), mask=ok[:, None] & (d < HEAD_D)[None, :])
+    tl.store(comp_ptr + base[:, None] + HEAD_D + dv[None, :], value_row.to(dtype),
+             mask=ok[:, None] & (dv < HEAD_DV)[None, :])
+
+
+@triton.jit
+def _chunked_kv_write_chunks_kernel(
+    step_ptr,  # [n, Hkv, HEAD_D + HEAD_DV] the step's K/V rows
+    raw_ptr,  # [num_raw_blocks, Hkv, raw_block_size, HEAD_D + HEAD_DV]
+    comp_ptr,  # [num_blocks, Hkv, states_per_block, HEAD_D + HEAD_DV]
     gains_ptr,  # [CHUNK_SIZE] fp32
-    key_out_ptr,  # [M, HEAD_D] fp32
-    value_out_ptr,  # [M, HEAD_DV] fp32
-    log_weight_out_ptr,  # [M] fp32
+    heads_ptr,  # [M]
+    src_blocks_ptr, src_offsets_ptr, src_step_ptr,  # [M, CHUNK_SIZE] each, contiguous
+    dst_blocks_ptr, dst_offsets_ptr,  # [M, SPG] each, contiguous
     num_chunks,
-    log_weight,
-    stride_kc, stride_ks, stride_kd,
-    stride_vc, stride_vs, stride_vd,
-    CHUNK_SIZE: tl.constexpr,
-    CS_P2: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    D_P2: tl.constexpr,
-    HEAD_DV: tl.constexpr,
-    DV_P2: tl.constexpr,
-    POOL_LO: tl.constexpr,
-    POOL_HI: tl.constexpr,
-    KEY_NORM: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    stride_st, stride_sh,
+    stride_rb, stride_rh, stride_rs,
+    stride_cb, stride_ch, stride_cs,
+    CHUNK_SIZE: tl.constexpr, CS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr, DV_P2: tl.constexpr,
+    POOL_LO: tl.constexpr, POOL_HI: tl.constexpr, KEY_NORM: tl.constexpr,
+    SPG: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     chunk = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     slot = tl.arange(0, CS_P2)  # [CS_P2]
-    d = tl.arange(0, D_P2)
-    dv = tl.arange(0, DV_P2)
     chunk_ok = chunk < num_chunks
-    row_ok = chunk_ok[:, None] & (slot < CHUNK_SIZE)[None, :]  # [BLOCK_C, CS_P2]
-    chunk64 = chunk.to(tl.int64)
-    k_off = chunk64[:, None, None] * stride_kc + slot[None, :, None] * stride_ks + d[None, None, :] * stride_kd
-    keys = tl.load(keys_ptr + k_off, mask=row_ok[:, :, None] & (d < HEAD_D)[None, None, :], other=0.0).to(tl.float32)
-    v_off = chunk64[:, None, None] * stride_vc + slot[None, :, None] * stride_vs + dv[None, None, :] * stride_vd
-    values = tl.load(values_ptr + v_off, mask=row_ok[:, :, None] & (dv < HEAD_DV)[None, None, :], other=0.0).to(tl.float32)
-    weights = _chunked_kv_slot_weights(keys, slot, gains_ptr, CHUNK_SIZE, POOL_LO, POOL_HI, KEY_NORM)
-    key_row = _chunked_kv_pool_rows(weights, keys)  # [BLOCK_C, D_P2]
-    value_row = _chunked_kv_pool_rows(weights, values)  # [BLOCK_C, DV_P2]
-    tl.store(key_out_ptr + chunk64[:, None] * HEAD_D + d[None, :], key_row, mask=chunk_ok[:, None] & (d < HEAD_D)[None, :])
-    tl.store(value_out_ptr + chunk64[:, None] * HEAD_DV + dv[None, :], value_row, mask=chunk_ok[:, None] & (dv < HEAD_DV)[None, :])
-    tl.store(log_weight_out_ptr + chunk64, tl.zeros([BLOCK_C], dtype=tl.float32) + log_weight, mask=chunk_ok)
+    ok = chunk_ok[:, None] & (slot < CHUNK_SIZE)[None, :]  # [BLOCK_C, CS_P2]
+    src = chunk.to(tl.int64)[:, None] * CHUNK_SIZE + slot[None, :]  # [BLOCK_C, CS_P2]
+    src_step = tl.load(src_step_ptr + src, mask=ok, other=-1)
+    src_block = tl.load(src_blocks_ptr + src, mask=ok, other=0)
+    src_offset = tl.load(src_offsets_ptr + src, mask=ok, other=0)
+    head = tl.load(heads_ptr + chunk, mask=chunk_ok, other=0)  # [BLOCK_C]
+    keys = _chunked_kv_gather_chunk(step_ptr, raw_ptr, src_step, src_block, src_offset, ok, head, stride_st,
+                                    stride_sh, stride_rb, stride_rh, stride_rs, 0, HEAD_D, D_P2)  # [BLOCK_C, CS_P2, D_P2]
+    values = _chunked_kv_gather_chunk(step_ptr, raw_ptr, src_step, src_block, src_offset, ok, head, stride_st,
+                                      stride_sh, stride_rb, stride_rh, stride_rs, HEAD_D, HEAD_DV, DV_P2)
+    dst = chunk.to(tl.int64) * SPG  # [BLOCK_C] first slot of each chunk's group
+    dst_block = tl.load(dst_blocks_ptr + dst, mask=chunk_ok, other=0)
+    dst_offset = tl.load(dst_offsets_ptr + dst, mask=chunk_ok, other=0)
+    if POOL_HI > POOL_LO:
+        weights = _chunked_kv_slot_weights(keys, slot, gains_ptr, CHUNK_SIZE, POOL_LO, POOL_HI, KEY_NORM)
+        key_row = _chunked_kv_pool_rows(weights, keys)  # [BLOCK_C, D_P2]
+        value_row = _chunked_kv_pool_rows(weights, values)  # [BLOCK_C, DV_P2]
+    else:  # no interior: the pooled slot is never attended, store zeros
+        key_row = tl.zeros([BLOCK_C, D_P2], dtype=tl.float32)
+        value_row = tl.zeros([BLOCK_C, DV_P2], dtype=tl.float32)
+    _chunked_kv_store_row(comp_ptr, dst_block, dst_offset, head, chunk_ok, key_row, value_row,
+                          stride_cb, stride_ch, stride_cs, HEAD_D, D_P2, HEAD_DV, DV_P2)
+    if SPG == 3:  # boundary retention: the first and last raw rows follow the pooled row
+        for edge in tl.static_range(2):
+            pick = (slot == edge * (CHUNK_SIZE - 1))[None, :, None]  # [1, CS_P2, 1]
+            e_block = tl.load(dst_blocks_ptr + dst + 1 + edge, mask=chunk_ok, other=0)
+            e_offset = tl.load(dst_offsets_ptr + dst + 1 + edge, mask=chunk_ok, other=0)
+            _chunked_kv_store_row(comp_ptr, e_block, e_offset, head, chunk_ok,
+                                  tl.sum(tl.where(pick, keys, 0.0), axis=1), tl.sum(tl.where(pick, values, 0.0), axis=1),
+                                  stride_cb, stride_ch, stride_cs, HEAD_D, D_P2, HEAD_DV, DV_P2)
 
 
 # ------------------------------------------------------------------ host side
@@ -108,7 +155,7 @@ def _chunked_kv_pool_kernel(
 def gains_tensor(cfg: ChunkedKVConfig, device: torch.device) -> torch.Tensor:
     """The fixed slot gains a kernel reads (``[chunk_size]`` fp32; zeros for
     key_norm, whose weights come from the keys)."""
-    if cfg.pooling == "key_norm":
+    if cfg.pooling == "key_norm" or not len(cfg.pooled_slots):
         return torch.zeros(cfg.chunk_size, dtype=torch.float32, device=device)
     return torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=device)
 
@@ -125,53 +172,30 @@ def pooling_constants(cfg: ChunkedKVConfig) -> dict:
     }
 
 
-def pool_chunk(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    cfg: ChunkedKVConfig,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_chunks: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pool chunks into compressed rows, as `reference.pool_chunk`.
-
-    keys ``[..., chunk_size, head_dim]``, values ``[..., chunk_size, Dv]``;
-    returns fp32 ``(key_row [..., head_dim], value_row [..., Dv],
-    log_weight [...])``, written into ``out`` (contiguous fp32 tensors of
-    those shapes) when given.
-    """
-    if keys.shape[-2] != cfg.chunk_size or values.shape[:-1] != keys.shape[:-1]:
-        raise ValueError(
-            f"expected [..., {cfg.chunk_size}, head_dim] keys and values, got {tuple(keys.shape)}, {tuple(values.shape)}"
-        )
-    if len(cfg.pooled_slots) == 0:
-        raise ValueError("a chunk without interior has no pooled row")
-    lead = keys.shape[:-2]
-    head_d, head_dv = keys.shape[-1], values.shape[-1]
-    flat_k = keys.reshape(-1, cfg.chunk_size, head_d)  # [..., cs, D] -> [M, cs, D]
-    flat_v = values.reshape(-1, cfg.chunk_size, head_dv)  # [..., cs, Dv] -> [M, cs, Dv]
-    num = flat_k.shape[0]
-    if out is None:
-        out = (
-            torch.empty(*lead, head_d, dtype=torch.float32, device=keys.device),
-            torch.empty(*lead, head_dv, dtype=torch.float32, device=keys.device),
-            torch.empty(lead, dtype=torch.float32, device=keys.device),
-        )
-    _check_out(out, [(*lead, head_d), (*lead, head_dv), tuple(lead)])
-    key_row, value_row, log_weight = out
-    if num:
-        _chunked_kv_pool_kernel[(triton.cdiv(num, block_chunks),)](
-            flat_k, flat_v, gains_tensor(cfg, keys.device), key_row, value_row, log_weight,
-            num, cfg.log_weight,
-            *flat_k.stride(), *flat_v.stride(),
-            HEAD_D=head_d, D_P2=triton.next_power_of_2(head_d),
-            HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
-            BLOCK_C=block_chunks, **pooling_constants(cfg),
-        )
-    return key_row, value_row, log_weight
-
-
-def _check_out(out, shapes) -> None:
-    for tensor, shape in zip(out, shapes):
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.float32 or not tensor.is_contiguous():
-            raise ValueError(f"out tensors must be contiguous fp32 of shapes {shapes}, got {[tuple(t.shape) for t in out]}")
+def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
+                 cfg: ChunkedKVConfig, head_size: int, *, block_chunks: int = 16) -> None:
+    """`compressed.write_chunks` in one launch: pool the chunks completed in
+    this step into their compressed slots (caches ``[num_blocks, Hkv, rows,
+    Dk + Dv]``, last dim contiguous; step_rows ``[n, Hkv, Dk + Dv]``)."""
+    if writes.zero_heads.numel():
+        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+    num = writes.heads.numel()
+    if not num:
+        return
+    for name, t in (("comp_cache", comp_cache), ("raw_cache", raw_cache), ("step_rows", step_rows)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have contiguous rows (last-dim stride 1)")
+    head_dv = comp_cache.shape[-1] - head_size
+    contiguous = lambda t: t.contiguous()  # noqa: E731  [M, chunk_size] / [M, spg] index tables
+    _chunked_kv_write_chunks_kernel[(triton.cdiv(num, block_chunks),)](
+        step_rows, raw_cache, comp_cache, gains_tensor(cfg, comp_cache.device), contiguous(writes.heads),
+        contiguous(writes.src_blocks), contiguous(writes.src_offsets), contiguous(writes.src_step),
+        contiguous(writes.dst_blocks), contiguous(writes.dst_offsets),
+        num,
+        step_rows.stride(0), step_rows.stride(1),
+        raw_cache.stride(0), raw_cache.stride(1), raw_cache.stride(2),
+        comp_cache.stride(0), comp_cache.stride(1), comp_cache.stride(2),
+        HEAD_D=head_size, D_P2=triton.next_power_of_2(head_size),
+        HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
+        SPG=layout.slots_per_group(cfg), BLOCK_C=block_chunks, **pooling_constants(cfg),
+    )

@@ -1,0 +1,188 @@
+"""A simulated vLLM pager and a random step schedule, shared by the tests of
+every implementation of the compressed-layout ops (PyTorch, Triton, CUDA).
+
+`Pager` plays vLLM's part: each request gets compressed pages (one state per
+`tokens_per_state` tokens) and raw pages; a raw page that leaves the sliding
+window within its own step is never allocated (it maps to a shared NaN
+page) and raw rows before the window hold NaN (row by row, stricter than
+vLLM's whole pages), so reading any of them, even masked, fails; compressed
+pages start zero-filled, as vLLM's do.
+
+`run_schedule` feeds sequences in random step splits (prefill, chunked
+prefill, single-token decodes, mixed batches) through one implementation's
+ops (`dispatch.ops`), the output of every step NaN-filled before the call, and checks
+each step's outputs against `reference_chunked_attention` over the whole
+sequence. It imports no test framework, so a Triton interpreter worker can
+run it whole.
+"""
+
+from __future__ import annotations
+
+import random
+import torch
+
+from vllm_chunked_kv import layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.reference import reference_chunked_attention
+from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
+
+# Settings every implementation is checked under: each mitigation and
+# pooling mode, sinks, staggered grids, chunk 1.
+CONFIGS = {
+    "none": dict(mitigation="none", chunk_size=4, window=6),
+    "none-sinks": dict(mitigation="none", chunk_size=4, window=5, sink_tokens=6),
+    "boundary-gated": dict(mitigation="boundary", chunk_size=4, window=5, pooling="gated",
+                           slot_gains=[0.1, 0.2, 0.3, 0.4], sink_tokens=2),
+    "boundary-key_norm": dict(mitigation="boundary", chunk_size=5, window=7, pooling="key_norm"),
+    "overlap": dict(mitigation="overlap", chunk_size=4, window=4, sink_tokens=1),
+    "overlap-key_norm": dict(mitigation="overlap", chunk_size=6, window=8, pooling="key_norm", proportional=False),
+    "stride2": dict(mitigation="stride2", window=3),
+    "stagger-heads": dict(mitigation="stagger", chunk_size=4, window=5, sink_tokens=1),
+    "stagger-list": dict(mitigation="none", chunk_size=4, hop=2, window=4, stagger=[[1, 0]]),
+    "hop1": dict(mitigation="none", chunk_size=1, window=1),
+}
+
+
+class Pager:
+    """Pages of several requests, allocated and dropped the way vLLM's managers do."""
+
+    def __init__(self, cfg: ChunkedKVConfig, origins: list[int], block_size: int, num_reqs: int, *,
+                 num_kv_heads: int, row: int, dtype=torch.float32, device="cpu"):
+        self.cfg, self.origins, self.block_size = cfg, origins, block_size
+        self.per_block = layout.states_per_block(cfg, block_size)
+        self.raw_block_size = self.per_block  # equal pages, as the backend declares them
+        self.keep = layout.forever_raw(cfg, origins)
+        self.device = device
+        self.comp = torch.zeros((64 * num_reqs, num_kv_heads, self.per_block, row), dtype=dtype, device=device)
+        self.raw = torch.full((256 * num_reqs, num_kv_heads, self.raw_block_size, row), float("nan"), dtype=dtype,
+                              device=device)
+        self.free_comp = list(range(1, self.comp.shape[0]))
+        self.free_raw = list(range(1, self.raw.shape[0]))  # page 0 is the null page
+        self.tables = [([], []) for _ in range(num_reqs)]
+
+    def allocate(self, r: int, seq_len: int) -> None:
+        comp, raw = self.tables[r]
+        while len(comp) * self.block_size < seq_len:
+            comp.append(self.free_comp.pop(0))
+        sink_pages = -(-self.keep // self.raw_block_size)
+        dead_until = max(0, seq_len - layout.raw_window(self.cfg) + 1) // self.raw_block_size
+        while len(raw) * self.raw_block_size < seq_len:
+            dead = sink_pages <= len(raw) < dead_until
+            raw.append(0 if dead else self.free_raw.pop(0))
+
+    def drop_outside_window(self, r: int, computed: int) -> None:
+        """Poison every raw row before the sliding window but the forever-raw
+        ones (stricter than vLLM, which drops whole pages only)."""
+        first_kept = max(0, computed - layout.raw_window(self.cfg) + 1)
+        raw = self.tables[r][1]
+        for j in range(self.keep, first_kept):
+            self.raw[raw[j // self.raw_block_size], :, j % self.raw_block_size] = float("nan")
+
+    def batch(self, steps: list[tuple[int, int, int]]) -> PagedBatch:
+        """steps: (request, first position, end position) of each scheduled request."""
+        width = max(max(len(t[0]), len(t[1])) for t in self.tables)
+        pad = lambda ids: ids + [0] * (width - len(ids))  # noqa: E731
+        starts = [0]
+        for _, lo, hi in steps:
+            starts.append(starts[-1] + hi - lo)
+        return PagedBatch(
+            query_start=starts,
+            seq_lens=[hi for _, _, hi in steps],
+            block_table=torch.tensor([pad(self.tables[r][0]) for r, _, _ in steps], device=self.device),
+            block_size=self.block_size,
+            raw_block_table=torch.tensor([pad(self.tables[r][1]) for r, _, _ in steps], device=self.device),
+            raw_block_size=self.raw_block_size,
+            raw_window=layout.raw_window(self.cfg),
+            raw_sink_tokens=self.keep,
+        )
+
+    def check_pages_complete(self, r: int, start: int, end: int) -> None:
+        """Every existing raw page holds all its computed rows that were not
+        dropped: prefix caching may hand the page to another request."""
+        first_kept = max(0, start - layout.raw_window(self.cfg) + 1)
+        raw = self.tables[r][1]
+        for j in [*range(self.keep), *range(first_kept, end)][:end]:
+            page = raw[j // self.raw_block_size]
+            if page:
+                assert self.raw[page, :, j % self.raw_block_size].isfinite().all(), f"raw row {j} missing"
+
+    def raw_slots(self, steps) -> torch.Tensor:
+        slots = []
+        for r, lo, hi in steps:
+            raw = self.tables[r][1]
+            slots += [raw[j // self.raw_block_size] * self.raw_block_size + j % self.raw_block_size
+                      for j in range(lo, hi)]
+        return torch.tensor(slots, device=self.device)
+
+
+def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: str = "torch", num_kv_heads: int = 2,
+                 group: int = 2, head_size: int = 8, head_size_v: int | None = None, decode_only: bool = False,
+                 dtype=torch.float32, device="cpu", tol: float = 1e-5, attend_kwargs: dict | None = None) -> int:
+    """Run one random schedule through the ops of ``impl`` (`dispatch.ops`)
+    and check every step against the reference; returns the number of steps.
+    Other implementations than PyTorch's also write each step's chunks
+    exactly as `compressed.write_chunks` does (their target slots are NaN
+    before the call)."""
+    ops = dispatch.ops(impl)
+    head_size_v = head_size_v or head_size
+    origins = cfg.origins(0, num_kv_heads)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    block_size = cfg.hop * rng.choice([2, 4, 16])  # raw pages shorter and longer than the window
+    pager = Pager(cfg, origins, block_size, len(lengths), num_kv_heads=num_kv_heads, row=head_size + head_size_v,
+                  dtype=dtype, device=device)
+    q = [torch.randn(n, num_kv_heads * group, head_size, generator=gen).to(dtype) for n in lengths]
+    k = [(torch.randn(n, num_kv_heads, head_size, generator=gen) * 2).to(dtype) for n in lengths]
+    v = [torch.randn(n, num_kv_heads, head_size_v, generator=gen).to(dtype) for n in lengths]
+    want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5, origins=origins)
+            for r in range(len(lengths))]
+    done, num_steps = [0] * len(lengths), 0
+    while any(d < n for d, n in zip(done, lengths)):
+        steps = []
+        for r in rng.sample(range(len(lengths)), len(lengths)):
+            if done[r] < lengths[r] and rng.random() < 0.8:
+                take = 1 if decode_only or rng.random() < 0.4 else rng.randint(1, 2 * cfg.window + 3)
+                steps.append((r, done[r], min(lengths[r], done[r] + take)))
+        if not steps:
+            continue
+        for r, lo, hi in steps:
+            pager.drop_outside_window(r, lo)
+            pager.allocate(r, hi)
+        plan = build_plan(pager.batch(steps), cfg, origins, bias=ops.needs_bias)
+        cat = lambda xs: torch.cat([xs[r][lo:hi] for r, lo, hi in steps]).to(device)  # noqa: E731
+        query = cat(q)  # [n, Hq, D]
+        step_rows = torch.cat([cat(k), cat(v)], dim=-1)  # [n, Hkv, D + Dv]
+        ops.write_raw(pager.raw, step_rows, pager.raw_slots(steps), plan.raw_writes)
+        assert not pager.raw[0].isfinite().any(), "a row was written to the null page"
+        _write_chunks(ops, pager, step_rows, plan.writes, cfg, head_size, tol)
+        out = query.new_full((query.shape[0], query.shape[1], head_size_v), float("nan"))  # unwritten fails
+        got = ops.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out, **(attend_kwargs or {}))
+        assert got is out, "attend did not write into out="
+        for (r, lo, hi), rows in zip(steps, torch.split(out, [hi - lo for _, lo, hi in steps])):
+            pager.check_pages_complete(r, lo, hi)
+            torch.testing.assert_close(rows.float().cpu(), want[r][lo:hi], atol=tol, rtol=tol)
+            done[r] = hi
+        num_steps += 1
+    return num_steps
+
+
+def _write_chunks(ops, pager: Pager, step_rows, writes, cfg: ChunkedKVConfig, head_size: int, tol: float) -> None:
+    """``ops.write_chunks``; for other ops than PyTorch's, checked against it."""
+    if ops.name == "torch":
+        ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size)
+        return
+    want = pager.comp.clone()
+    dispatch.ops("torch").write_chunks(want, pager.raw, step_rows, writes, cfg, head_size)
+    pager.comp[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = float("nan")
+    ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size)
+    torch.testing.assert_close(pager.comp.float(), want.float(), atol=tol, rtol=tol)
+
+
+def call_returning(module: str, name: str, *args, **kwargs) -> tuple:
+    """Call ``module.name(*args, **kwargs)`` and return ``args``: how an
+    in-place op run in another process hands its written tensors back."""
+    import importlib
+
+    getattr(importlib.import_module(module), name)(*args, **kwargs)
+    return args
