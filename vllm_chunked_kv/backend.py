@@ -34,14 +34,14 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
-    MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
+from vllm_chunked_kv.raw_cache import PagedRows, attach_raw_pages
 from vllm_chunked_kv.registration import BACKEND_NAME
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
@@ -60,7 +60,7 @@ def active_config() -> ChunkedKVConfig:
     return ChunkedKVConfig.from_vllm_config(vllm_config)
 
 
-class ChunkedKVBackend(AttentionBackend):
+class ChunkedKVBackend(PagedRows, AttentionBackend):
     """Capability sheet: what vLLM may ask of CHUNKED_KV."""
 
     forward_includes_kv_cache_update: bool = True
@@ -78,14 +78,6 @@ class ChunkedKVBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[ChunkedKVMetadataBuilder]:
         return ChunkedKVMetadataBuilder
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -216,8 +208,6 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Register the raw pages' companion layer: the layer is in vLLM's
         static forward context by now, and KV-cache specs are collected later."""
-        from vllm_chunked_kv.raw_cache import attach_raw_pages
-
         if self._raw_pages is None:
             keep = layout.model_forever_raw(self.config, self._total_kv_heads)
             self._raw_pages = attach_raw_pages(self, self.config, keep, self._static_forward_context)

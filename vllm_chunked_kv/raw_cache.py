@@ -66,7 +66,20 @@ class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
         )
 
 
-class RawPagesBackend(AttentionBackend):
+class PagedRows:
+    """Capability-sheet entries shared by both page sets: any block size, and
+    the ``[num_blocks, num_kv_heads, rows, head_size + head_size_v]`` layout."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+
+class RawPagesBackend(PagedRows, AttentionBackend):
     """What vLLM needs to allocate and describe the raw pages; no kernels."""
 
     @staticmethod
@@ -81,13 +94,6 @@ class RawPagesBackend(AttentionBackend):
     def get_builder_cls() -> type[RawPagesMetadataBuilder]:
         return RawPagesMetadataBuilder
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
 
 
 class RawPagesLayer(torch.nn.Module, AttentionLayerBase):

@@ -3,9 +3,7 @@ rules.yml with the target replaced and the intervals cut to one second."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,16 +11,10 @@ from pathlib import Path
 import httpx
 import yaml
 
+from vllm_chunked_kv.testing.server import free_port, start_group, stop_group, wait_ready
+
 DOCKER_PROMETHEUS = Path(__file__).resolve().parents[2] / "docker" / "prometheus"
 INTERVAL = "1s"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PrometheusServer:
@@ -45,37 +37,25 @@ class PrometheusServer:
 
     def start(self) -> PrometheusServer:
         config = self.write_config()
-        log = (self.workdir / "prometheus.log").open("wb")
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
             [self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            self.workdir / "prometheus.log",
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"prometheus not ready: {self.log()[-2000:]}")
+        try:
+            ready = wait_ready(self.proc, f"{self.url}/-/ready", timeout=60)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {self.log()[-2000:]}") from None
+        if not ready:
+            self.stop()
+            raise TimeoutError(f"prometheus not ready: {self.log()[-2000:]}")
+        return self
 
     def log(self) -> str:
         return (self.workdir / "prometheus.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        stop_group(self.proc)
 
     def api(self, path: str, **params) -> dict:
         """GET /api/v1/<path>; returns the whole JSON answer (status may be "error")."""

@@ -37,6 +37,47 @@ def vllm_executable() -> str:
     return str(candidate) if candidate.exists() else "vllm"
 
 
+def start_group(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``command`` in its own process group, output to ``log_path``."""
+    with Path(log_path).open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float, poll: float = 0.3) -> bool:
+    """Poll ``url`` until it answers 200 (True) or ``timeout`` passes (False);
+    raises if the process exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{Path(str(proc.args[0])).name} exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    return False
+
+
+def stop_group(proc: subprocess.Popen | None) -> None:
+    """Stop a process started by `start_group` and its whole group by PID:
+    SIGTERM, then SIGKILL if it has not exited in 20 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class VllmServer:
     """`vllm serve MODEL ARGS` on a free 127.0.0.1 port, as a context manager."""
 
@@ -53,37 +94,18 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> VllmServer:
-        import httpx
-
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vllm serve not ready after {self.timeout:.0f}s:\n{self.log_tail()}")
+        self.proc = start_group(self.command, self.log_path, env=self.env)
+        try:
+            ready = wait_ready(self.proc, f"{self.base_url}/v1/models", self.timeout, poll=1.0)
+        except RuntimeError as exc:
+            raise RuntimeError(f"vllm serve: {exc}:\n{self.log_tail()}") from None
+        if not ready:
+            self.stop()
+            raise TimeoutError(f"vllm serve not ready after {self.timeout:.0f}s:\n{self.log_tail()}")
+        return self
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self.proc)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
