@@ -31,7 +31,15 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
-from vllm_chunked_kv.demo.train import CURRICULUM, FINETUNE_COMPRESSION, make_optimizer, run_phase, save, scaled
+from vllm_chunked_kv.demo.train import (
+    CURRICULUM,
+    FINETUNE_COMPRESSION,
+    make_optimizer,
+    parse_run_arguments,
+    run_phase,
+    save,
+    scaled,
+)
 
 # The curriculum's compressed fine-tune phase, ending early on a running accuracy of 98%.
 STAGGER_PHASE = dataclasses.replace(CURRICULUM[-1], name="finetune-stagger", target_accuracy=0.98, min_steps=200)
@@ -113,14 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stagger", type=_parse_stagger, default="heads",
                         help="'heads' or a JSON list of per-layer lists of per-KV-head origins")
     parser.add_argument("--stagger-groups", type=int, default=2, help="distinct origins for --stagger heads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply the phase's step budget")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps runs reproducible)")
-    parser.add_argument("--eval-prompts", type=int, default=200,
-                        help="held-out prompts per accuracy in TRAINING.md (a multiple of 4)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    args = parse_run_arguments(parser, argv)
     compression = staggered_compression(args.stagger, args.stagger_groups)
     model = load_for_training(args.start)
     compression.check_model(model.config.num_hidden_layers, model.config.num_key_value_heads)

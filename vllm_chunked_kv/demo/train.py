@@ -222,11 +222,9 @@ def save(model, out_dir: Path, gains: list[float] | None = None) -> None:
         (out_dir / GAINS_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output model directory (mean-pooling fine-tune)")
-    parser.add_argument("--gated-out", type=Path, default=None,
-                        help="also fine-tune with learned per-slot gains and save that variant here")
+def parse_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Add the options every training command shares, parse, and set torch
+    up for a reproducible run."""
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's step budget")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps runs reproducible)")
@@ -235,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="output model directory (mean-pooling fine-tune)")
+    parser.add_argument("--gated-out", type=Path, default=None,
+                        help="also fine-tune with learned per-slot gains and save that variant here")
+    args = parse_run_arguments(parser, argv)
     start = time.perf_counter()
     trained = train(args.seed, args.steps_scale, log=lambda msg: print(msg, flush=True), gated=args.gated_out is not None)
     seconds = time.perf_counter() - start
