@@ -1,64 +1,97 @@
-// Launchers of the chunked KV kernels (DESIGN.md §3-4, §10), free of torch
-// headers so that the kernels compile with nvcc alone. The torch binding
-// (chunked_kv_ext.cpp) checks tensors and fills these structs.
+// Launchers of the chunked KV kernels over the compressed layout
+// (vllm_chunked_kv/layout.py, DESIGN.md §3-4, §10), free of torch headers so
+// that the kernels compile with nvcc alone, or with a host compiler for the
+// CPU emulation the tests use (CHUNKED_KV_CPU_EMULATION, cpu_emulation.h).
+// The torch binding (chunked_kv_ext.cpp) checks tensors and fills these
+// structs; index arrays are the int64 tensors of ops/step_plan.py.
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <stddef.h>
 #include <stdint.h>
 
 namespace chunked_kv {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// Limits of these kernels (the dispatcher falls back to Triton beyond them).
-constexpr int kMaxGroup = 8;      // query heads per KV head
-constexpr int kMaxHeadSize = 256; // key and value widths
-constexpr int kMaxChunk = 64;     // chunk_size
+constexpr int kThreads = 128;     // threads of every block
+constexpr int kBlockKeys = 32;    // key rows an attention block folds in at a time
+constexpr int kMaxTileRows = 32;  // query rows (queries x GQA group) of a multi-query tile, by default
 
-struct Pooling {
-  const float* gains;  // [chunk_size] normalised fixed gains (unused for key_norm)
-  int chunk_size;
-  int hop;
-  int pool_lo;  // pooled slots [pool_lo, pool_hi): the interior with keep_boundary
-  int pool_hi;
-  bool key_norm;
-  float log_weight;  // logit bias of a pooled row
-};
-
-struct PoolArgs {
-  const void* keys;    // [num_chunks, chunk_size, head_d], rows contiguous
-  const void* values;  // [num_chunks, chunk_size, head_dv]
-  float* key_out;      // [num_chunks, head_d]
-  float* value_out;    // [num_chunks, head_dv]
-  float* log_weight_out;  // [num_chunks]
+// Pool the chunks a step completes (`ChunkWrites`) into their compressed slots.
+struct WriteArgs {
+  const void* step_rows;  // [n, Hkv, head_d + head_dv] the step's K/V, step dtype
+  const void* raw_cache;  // [raw_blocks, Hkv, raw_rows, head_d + head_dv], cache dtype
+  void* comp_cache;       // [comp_blocks, Hkv, comp_rows, head_d + head_dv], cache dtype
+  const float* gains;     // [chunk_size] normalised fixed gains (unused for key_norm)
+  const int64_t* heads;   // [num_chunks] KV head of each chunk
+  const int64_t* src_blocks;   // [num_chunks, chunk_size] raw page of each stored row
+  const int64_t* src_offsets;  // [num_chunks, chunk_size]
+  const int64_t* src_step;     // [num_chunks, chunk_size] step token of each own row, -1 if stored
+  const int64_t* dst_blocks;   // [num_chunks, slots_per_group] compressed page of each slot
+  const int64_t* dst_offsets;  // [num_chunks, slots_per_group]
   int64_t num_chunks;
-  int64_t stride_kc, stride_ks, stride_vc, stride_vs;
-  int head_d, head_dv;
-  Pooling pooling;
+  int64_t stride_st, stride_sh;                // step rows: token, head
+  int64_t stride_rb, stride_rh, stride_rs;     // raw pages: block, head, row
+  int64_t stride_cb, stride_ch, stride_cs;     // compressed pages: block, head, row
+  int head_d, head_dv, chunk_size, slots_per_group;
+  int pool_lo, pool_hi;  // pooled slots [pool_lo, pool_hi): the interior with keep_boundary
+  bool key_norm;
 };
 
+// Attention of the queries of one `KeySet` over its stored raw rows, the
+// step's own rows and its compressed slots, one online softmax per query row.
 struct AttendArgs {
-  const void* query;  // [num_tokens, num_heads, head_d]
-  const void* kv_cache;  // [num_blocks, num_kv_heads, block_size, head_d + head_dv]
-  void* out;  // [num_tokens, num_heads, head_dv], query dtype
-  float* part_acc;  // [num_splits, num_tokens, num_heads, head_dv] (num_splits > 1)
-  float* part_ml;   // [2, num_splits, num_tokens, num_heads]: running max, then sum
-  const int32_t* block_table;  // [num_reqs, max_blocks]
-  const int32_t* token_req;    // [num_tokens] request of each query token
-  const int32_t* query_start;  // [num_reqs + 1]
-  const int32_t* seq_lens;     // [num_reqs]
-  const int32_t* origins;      // [num_kv_heads] grid origin of each KV head
-  int64_t stride_qt, stride_qh, stride_ot, stride_oh;
-  int64_t stride_kb, stride_kh, stride_ks, stride_bt;
-  int num_tokens, num_heads, num_kv_heads, head_d, head_dv, block_size, num_splits;
-  float scale;
-  int window, sink_tokens;
-  bool keep_boundary;
-  Pooling pooling;
+  const void* query;      // [num_tokens, num_heads, head_d], query dtype
+  const void* step_rows;  // [num_tokens, num_kv_heads, head_d + head_dv], query dtype
+  const void* raw_cache;  // [raw_blocks, num_kv_heads, raw_rows, head_d + head_dv], cache dtype
+  const void* comp_cache; // [comp_blocks, num_kv_heads, comp_rows, head_d + head_dv], cache dtype
+  void* out;              // [num_tokens, num_heads, head_dv], query dtype (num_splits == 1)
+  float* part_acc;        // [num_splits, num_tokens, num_heads, head_dv] (num_splits > 1)
+  float* part_ml;         // [2, num_splits, num_tokens, num_heads]: running max, then sum
+  const int64_t* query_index;      // [num_rows, num_q] step token of each query
+  const int64_t* query_positions;  // [num_rows, num_q] consecutive positions
+  const int64_t* raw_blocks;       // [num_rows, max_raw]
+  const int64_t* raw_offsets;      // [num_rows, max_raw]
+  const int64_t* raw_positions;    // [num_rows, max_raw]
+  const int64_t* num_raw;          // [num_rows] stored raw rows (padding follows)
+  const int64_t* comp_blocks;      // [num_rows, max_slots]
+  const int64_t* comp_offsets;     // [num_rows, max_slots]
+  const int64_t* num_slots;        // [num_rows] slots that may be visible
+  const int64_t* origins;          // [num_kv_heads] grid origin of each KV head
+  int num_rows, num_q, max_raw, max_slots;
+  int64_t num_tokens;
+  int64_t stride_qt, stride_qh, stride_st, stride_sh, stride_ot, stride_oh;
+  int64_t stride_rb, stride_rh, stride_rs, stride_cb, stride_ch, stride_cs;
+  int window, sink_tokens;  // positions and slot indices are below 2^31
+  int num_heads, num_kv_heads, head_d, head_dv;
+  int chunk_size, hop, slots_per_group;
+  bool has_pooled;  // whether a chunk has a pooled row (it has interior slots)
+  int tile_q;       // queries of one block
+  int num_splits;   // blocks per (tile, KV head), each folding every num_splits-th key block
+  float scale, log_weight;
 };
 
-// Both return cudaGetLastError() after the launch.
-cudaError_t launch_pool(const PoolArgs& args, DType dtype, cudaStream_t stream);
-cudaError_t launch_attend(const AttendArgs& args, DType dtype, cudaStream_t stream);
+// Merge the split partials of attend into out [num_tokens, num_heads, head_dv].
+struct MergeArgs {
+  const float* part_acc;  // [num_splits, num_tokens, num_heads, head_dv]
+  const float* part_ml;   // [2, num_splits, num_tokens, num_heads]
+  void* out;
+  int64_t num_tokens, stride_ot, stride_oh;
+  int num_heads, head_dv, num_splits;
+};
+
+// Dynamic shared memory of an attention block with `tile_rows` query rows.
+size_t attend_shared_bytes(int tile_rows, int head_d, int head_dv);
+
+// Each returns the launch's error (cudaSuccess when nothing was launched).
+cudaError_t launch_write_chunks(const WriteArgs& args, DType step_dtype, DType cache_dtype, cudaStream_t stream);
+cudaError_t launch_attend(const AttendArgs& args, DType query_dtype, DType cache_dtype, cudaStream_t stream);
+cudaError_t launch_merge_splits(const MergeArgs& args, DType out_dtype, cudaStream_t stream);
+
+// (multiprocessors, opt-in shared memory per block in bytes) of a device.
+cudaError_t device_limits(int device, int* multiprocessors, int* max_shared_bytes);
+// What went wrong in a failed launch.
+const char* error_string(cudaError_t err);
 
 }  // namespace chunked_kv

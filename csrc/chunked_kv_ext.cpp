@@ -1,160 +1,302 @@
-// Torch binding of the chunked KV CUDA kernels: checks the tensors, fills the
+// Torch binding of the chunked KV kernels: checks the tensors, fills the
 // launcher structs of chunked_kv.h and launches on the current CUDA stream.
-// Built on demand by vllm_chunked_kv/ops/cuda_ext.py.
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+// Built on demand by vllm_chunked_kv/ops/cuda_ext.py, which turns a step's
+// `StepPlan` into these calls. With CHUNKED_KV_CPU_EMULATION (tests only)
+// the tensors are CPU tensors and the kernels run in cpu_emulation.h.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
-#include <vector>
+#include <limits>
+#include <tuple>
+
+#ifndef CHUNKED_KV_CPU_EMULATION
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include "chunked_kv.h"
 
 namespace {
 
-chunked_kv::DType dtype_of(const at::Tensor& t) {
+using at::Tensor;
+
+chunked_kv::DType dtype_of(const Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return chunked_kv::DType::kFloat32;
     case at::kHalf: return chunked_kv::DType::kFloat16;
     case at::kBFloat16: return chunked_kv::DType::kBFloat16;
-    default: TORCH_CHECK(false, "chunked_kv: unsupported dtype ", t.scalar_type());
+    default: TORCH_CHECK(false, "chunked_kv: ", name, " has unsupported dtype ", t.scalar_type());
   }
 }
 
-void check_cuda(const at::Tensor& t, const char* name) {
+void check_device(const Tensor& t, const Tensor& like, const char* name) {
+#ifdef CHUNKED_KV_CPU_EMULATION
+  TORCH_CHECK(t.is_cpu(), "chunked_kv (CPU emulation): ", name, " must be a CPU tensor");
+#else
   TORCH_CHECK(t.is_cuda(), "chunked_kv: ", name, " must be a CUDA tensor");
+#endif
+  TORCH_CHECK(t.device() == like.device(), "chunked_kv: ", name, " is on ", t.device(), ", not ", like.device());
 }
 
-void check_index(const at::Tensor& t, const char* name) {
-  check_cuda(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), "chunked_kv: ", name, " must be contiguous int32");
+// Rows of K/V (or queries, outputs): the last dimension contiguous.
+void check_rows(const Tensor& t, const Tensor& like, const char* name, int64_t dim) {
+  check_device(t, like, name);
+  TORCH_CHECK(t.dim() == dim, "chunked_kv: ", name, " must have ", dim, " dimensions, not ", t.dim());
+  TORCH_CHECK(t.stride(-1) == 1, "chunked_kv: ", name, " must have contiguous rows (last-dim stride 1)");
 }
 
-chunked_kv::Pooling pooling(const at::Tensor& gains, int64_t chunk_size, int64_t hop, int64_t pool_lo, int64_t pool_hi,
-                            bool key_norm, double log_weight) {
-  check_cuda(gains, "gains");
-  TORCH_CHECK(gains.scalar_type() == at::kFloat && gains.is_contiguous() && gains.numel() == chunk_size,
-              "chunked_kv: gains must be contiguous fp32 of chunk_size elements");
-  TORCH_CHECK(chunk_size >= 1 && chunk_size <= chunked_kv::kMaxChunk, "chunked_kv: chunk_size must be in [1, ",
-              chunked_kv::kMaxChunk, "]");
-  TORCH_CHECK(0 <= pool_lo && pool_lo < pool_hi && pool_hi <= chunk_size, "chunked_kv: bad pooled slots");
-  return {gains.data_ptr<float>(), static_cast<int>(chunk_size), static_cast<int>(hop), static_cast<int>(pool_lo),
-          static_cast<int>(pool_hi), key_norm, static_cast<float>(log_weight)};
+// An int64 index table of `rows` x `cols` (cols < 0: one dimension of `rows`).
+const int64_t* index(const Tensor& t, const Tensor& like, const char* name, int64_t rows, int64_t cols = -1) {
+  check_device(t, like, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "chunked_kv: ", name, " must be contiguous int64");
+  const bool ok = cols < 0 ? t.dim() == 1 && t.size(0) == rows : t.dim() == 2 && t.size(0) == rows && t.size(1) == cols;
+  TORCH_CHECK(ok, "chunked_kv: ", name, " has shape ", t.sizes(), ", expected [", rows, cols < 0 ? "" : ", ",
+              cols < 0 ? "" : std::to_string(cols), "]");
+  return t.data_ptr<int64_t>();
+}
+
+int to_int(int64_t value, const char* name) {
+  TORCH_CHECK(value >= 0 && value <= std::numeric_limits<int>::max(), "chunked_kv: ", name, " = ", value,
+              " is outside [0, 2^31)");
+  return static_cast<int>(value);
+}
+
+cudaStream_t current_stream(const Tensor& t) {
+#ifdef CHUNKED_KV_CPU_EMULATION
+  (void)t;
+  return nullptr;
+#else
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#endif
 }
 
 void check_launch(cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "chunked_kv: kernel launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "chunked_kv: kernel launch failed: ", chunked_kv::error_string(err));
 }
+
+#ifdef CHUNKED_KV_CPU_EMULATION
+struct DeviceGuard {
+  explicit DeviceGuard(at::Device) {}
+};
+#else
+using DeviceGuard = c10::cuda::CUDAGuard;
+#endif
 
 }  // namespace
 
-// keys [M, chunk_size, D], values [M, chunk_size, Dv] (same dtype, last dim
-// contiguous) -> fp32 key rows [M, D], value rows [M, Dv], log weights [M].
-std::vector<at::Tensor> pool_chunk(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& gains,
-                                   int64_t hop, int64_t pool_lo, int64_t pool_hi, bool key_norm, double log_weight) {
-  check_cuda(keys, "keys");
-  check_cuda(values, "values");
-  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.size(0) == values.size(0) && keys.size(1) == values.size(1),
-              "chunked_kv: keys and values must be [M, chunk_size, D]");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "chunked_kv: keys and values differ in dtype");
-  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "chunked_kv: head dim must be contiguous");
-  TORCH_CHECK(keys.size(2) <= chunked_kv::kMaxHeadSize && values.size(2) <= chunked_kv::kMaxHeadSize,
-              "chunked_kv: head size above ", chunked_kv::kMaxHeadSize);
-  const c10::cuda::CUDAGuard guard(keys.device());
-  const auto opts = keys.options().dtype(at::kFloat);
-  auto key_out = at::empty({keys.size(0), keys.size(2)}, opts);
-  auto value_out = at::empty({keys.size(0), values.size(2)}, opts);
-  auto log_out = at::empty({keys.size(0)}, opts);
-  chunked_kv::PoolArgs args{};
-  args.keys = keys.data_ptr();
-  args.values = values.data_ptr();
-  args.key_out = key_out.data_ptr<float>();
-  args.value_out = value_out.data_ptr<float>();
-  args.log_weight_out = log_out.data_ptr<float>();
-  args.num_chunks = keys.size(0);
-  args.stride_kc = keys.stride(0);
-  args.stride_ks = keys.stride(1);
-  args.stride_vc = values.stride(0);
-  args.stride_vs = values.stride(1);
-  args.head_d = static_cast<int>(keys.size(2));
-  args.head_dv = static_cast<int>(values.size(2));
-  args.pooling = pooling(gains, keys.size(1), hop, pool_lo, pool_hi, key_norm, log_weight);
-  check_launch(chunked_kv::launch_pool(args, dtype_of(keys), c10::cuda::getCurrentCUDAStream().stream()));
-  return {key_out, value_out, log_out};
+// Pool the chunks of a step's ChunkWrites into the compressed pages (see
+// compressed.write_chunks); the zero slots are the caller's.
+void write_chunks(const Tensor& comp_cache, const Tensor& raw_cache, const Tensor& step_rows, const Tensor& gains,
+                  const Tensor& heads, const Tensor& src_blocks, const Tensor& src_offsets, const Tensor& src_step,
+                  const Tensor& dst_blocks, const Tensor& dst_offsets, int64_t head_d, int64_t pool_lo,
+                  int64_t pool_hi, bool key_norm) {
+  check_rows(comp_cache, comp_cache, "comp_cache", 4);
+  check_rows(raw_cache, comp_cache, "raw_cache", 4);
+  check_rows(step_rows, comp_cache, "step_rows", 3);
+  TORCH_CHECK(raw_cache.scalar_type() == comp_cache.scalar_type(), "chunked_kv: the two caches differ in dtype");
+  const int64_t width = comp_cache.size(3), num_kv_heads = comp_cache.size(1);
+  TORCH_CHECK(raw_cache.size(3) == width && step_rows.size(2) == width && raw_cache.size(1) == num_kv_heads &&
+                  step_rows.size(1) == num_kv_heads,
+              "chunked_kv: caches and step rows must agree in KV heads and row width");
+  TORCH_CHECK(0 < head_d && head_d < width, "chunked_kv: head_d must be in (0, row width)");
+  const int64_t num_chunks = heads.numel(), chunk_size = src_blocks.dim() == 2 ? src_blocks.size(1) : 0;
+  const int64_t slots_per_group = dst_blocks.dim() == 2 ? dst_blocks.size(1) : 0;
+  TORCH_CHECK(chunk_size >= 1, "chunked_kv: src_blocks must be [chunks, chunk_size]");
+  TORCH_CHECK(slots_per_group == 1 || (slots_per_group == 3 && chunk_size >= 2),
+              "chunked_kv: dst_blocks must be [chunks, 1] or [chunks, 3]");
+  TORCH_CHECK(0 <= pool_lo && pool_lo <= pool_hi && pool_hi <= chunk_size, "chunked_kv: bad pooled slots");
+  check_device(gains, comp_cache, "gains");
+  TORCH_CHECK(gains.scalar_type() == at::kFloat && gains.is_contiguous() && gains.numel() == chunk_size,
+              "chunked_kv: gains must be contiguous fp32 of chunk_size elements");
+  chunked_kv::WriteArgs a{};
+  a.heads = index(heads, comp_cache, "heads", num_chunks);
+  a.src_blocks = index(src_blocks, comp_cache, "src_blocks", num_chunks, chunk_size);
+  a.src_offsets = index(src_offsets, comp_cache, "src_offsets", num_chunks, chunk_size);
+  a.src_step = index(src_step, comp_cache, "src_step", num_chunks, chunk_size);
+  a.dst_blocks = index(dst_blocks, comp_cache, "dst_blocks", num_chunks, slots_per_group);
+  a.dst_offsets = index(dst_offsets, comp_cache, "dst_offsets", num_chunks, slots_per_group);
+  if (num_chunks == 0) return;
+  const DeviceGuard guard(comp_cache.device());
+  a.step_rows = step_rows.data_ptr();
+  a.raw_cache = raw_cache.data_ptr();
+  a.comp_cache = comp_cache.data_ptr();
+  a.gains = gains.data_ptr<float>();
+  a.num_chunks = num_chunks;
+  a.stride_st = step_rows.stride(0);
+  a.stride_sh = step_rows.stride(1);
+  a.stride_rb = raw_cache.stride(0);
+  a.stride_rh = raw_cache.stride(1);
+  a.stride_rs = raw_cache.stride(2);
+  a.stride_cb = comp_cache.stride(0);
+  a.stride_ch = comp_cache.stride(1);
+  a.stride_cs = comp_cache.stride(2);
+  a.head_d = to_int(head_d, "head_d");
+  a.head_dv = to_int(width - head_d, "head_dv");
+  a.chunk_size = to_int(chunk_size, "chunk_size");
+  a.slots_per_group = static_cast<int>(slots_per_group);
+  a.pool_lo = static_cast<int>(pool_lo);
+  a.pool_hi = static_cast<int>(pool_hi);
+  a.key_norm = key_norm;
+  check_launch(chunked_kv::launch_write_chunks(a, dtype_of(step_rows, "step_rows"), dtype_of(comp_cache, "comp_cache"),
+                                               current_stream(comp_cache)));
 }
 
-// Paged chunked attention; writes `out` [n, Hq, Dv] (query dtype). With
-// num_splits > 1, part_acc [S, n, Hq, Dv] and part_ml [2, S, n, Hq] (fp32)
-// hold the partial softmaxes that a second kernel merges.
-void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out, const at::Tensor& block_table,
-            const at::Tensor& token_req, const at::Tensor& query_start, const at::Tensor& seq_lens,
-            const at::Tensor& origins, const at::Tensor& gains, at::Tensor& part_acc, at::Tensor& part_ml, double scale,
-            int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t pool_lo, int64_t pool_hi,
-            bool key_norm, bool keep_boundary, double log_weight, int64_t num_splits) {
-  check_cuda(query, "query");
-  check_cuda(kv_cache, "kv_cache");
-  check_cuda(out, "out");
-  check_index(token_req, "token_req");
-  check_index(query_start, "query_start");
-  check_index(seq_lens, "seq_lens");
-  check_index(origins, "origins");
-  check_cuda(block_table, "block_table");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "chunked_kv: block_table must be int32 rows");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 4 && out.dim() == 3, "chunked_kv: bad ranks");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "chunked_kv: query, cache and out must share a dtype");
-  TORCH_CHECK(query.stride(2) == 1 && kv_cache.stride(3) == 1 && out.stride(2) == 1, "chunked_kv: head dim must be contiguous");
-  const int64_t num_heads = query.size(1), num_kv_heads = kv_cache.size(1);
-  const int64_t head_d = query.size(2), head_dv = kv_cache.size(3) - head_d;
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= chunked_kv::kMaxGroup,
-              "chunked_kv: query heads per KV head must divide evenly and be at most ", chunked_kv::kMaxGroup);
-  TORCH_CHECK(head_d <= chunked_kv::kMaxHeadSize && head_dv >= 1 && head_dv <= chunked_kv::kMaxHeadSize,
-              "chunked_kv: head sizes must be at most ", chunked_kv::kMaxHeadSize);
-  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == num_heads && out.size(2) == head_dv, "chunked_kv: bad out shape");
-  TORCH_CHECK(origins.numel() == num_kv_heads, "chunked_kv: one origin per KV head");
-  if (num_splits > 1) {
-    TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_acc.is_contiguous() &&
-                    part_acc.numel() == num_splits * query.size(0) * num_heads * head_dv,
-                "chunked_kv: part_acc must be contiguous fp32 [S, n, Hq, Dv]");
-    TORCH_CHECK(part_ml.scalar_type() == at::kFloat && part_ml.is_contiguous() &&
-                    part_ml.numel() == 2 * num_splits * query.size(0) * num_heads,
-                "chunked_kv: part_ml must be contiguous fp32 [2, S, n, Hq]");
-  }
-  const c10::cuda::CUDAGuard guard(query.device());
+// Attention of the queries of one KeySet (see compressed.attend). With
+// num_splits == 1 it writes `out` [n, Hq, Dv] (query dtype); else the fp32
+// partials part_acc [S, n, Hq, Dv] and part_ml [2, S, n, Hq] for merge_splits.
+void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cache, const Tensor& raw_cache,
+            const Tensor& out, const Tensor& part_acc, const Tensor& part_ml, const Tensor& query_index,
+            const Tensor& query_positions, const Tensor& raw_blocks, const Tensor& raw_offsets,
+            const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
+            const Tensor& num_slots, const Tensor& origins, double scale, double log_weight, int64_t window,
+            int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group, bool has_pooled,
+            int64_t tile_q, int64_t num_splits) {
+  check_rows(query, query, "query", 3);
+  check_rows(step_rows, query, "step_rows", 3);
+  check_rows(comp_cache, query, "comp_cache", 4);
+  check_rows(raw_cache, query, "raw_cache", 4);
+  check_rows(out, query, "out", 3);
+  TORCH_CHECK(step_rows.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "chunked_kv: query, step_rows and out must share a dtype");
+  TORCH_CHECK(raw_cache.scalar_type() == comp_cache.scalar_type(), "chunked_kv: the two caches differ in dtype");
+  const int64_t n = query.size(0), num_heads = query.size(1), head_d = query.size(2);
+  const int64_t num_kv_heads = comp_cache.size(1), width = comp_cache.size(3), head_dv = width - head_d;
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "chunked_kv: ", num_heads, " query heads are not a multiple of ",
+              num_kv_heads, " KV heads");
+  TORCH_CHECK(head_dv >= 1 && raw_cache.size(3) == width && raw_cache.size(1) == num_kv_heads &&
+                  step_rows.size(0) == n && step_rows.size(1) == num_kv_heads && step_rows.size(2) == width,
+              "chunked_kv: query, step rows and caches disagree in shape");
+  TORCH_CHECK(out.size(0) == n && out.size(1) == num_heads && out.size(2) == head_dv, "chunked_kv: out has shape ",
+              out.sizes(), ", expected [", n, ", ", num_heads, ", ", head_dv, "]");
+  TORCH_CHECK(chunk_size >= 1 && hop >= 1 && (slots_per_group == 1 || slots_per_group == 3) && tile_q >= 1 &&
+                  num_splits >= 1,
+              "chunked_kv: bad chunk_size, hop, slots_per_group, tile_q or num_splits");
+  const int64_t num_rows = query_index.size(0), num_q = query_index.dim() == 2 ? query_index.size(1) : 0;
+  const int64_t max_raw = raw_blocks.dim() == 2 ? raw_blocks.size(1) : 0;
+  const int64_t max_slots = comp_blocks.dim() == 2 ? comp_blocks.size(1) : 0;
   chunked_kv::AttendArgs a{};
+  a.query_index = index(query_index, query, "query_index", num_rows, num_q);
+  a.query_positions = index(query_positions, query, "query_positions", num_rows, num_q);
+  a.raw_blocks = index(raw_blocks, query, "raw_blocks", num_rows, max_raw);
+  a.raw_offsets = index(raw_offsets, query, "raw_offsets", num_rows, max_raw);
+  a.raw_positions = index(raw_positions, query, "raw_positions", num_rows, max_raw);
+  a.num_raw = index(num_raw, query, "num_raw", num_rows);
+  a.comp_blocks = index(comp_blocks, query, "comp_blocks", num_rows, max_slots);
+  a.comp_offsets = index(comp_offsets, query, "comp_offsets", num_rows, max_slots);
+  a.num_slots = index(num_slots, query, "num_slots", num_rows);
+  a.origins = index(origins, query, "origins", num_kv_heads);
+  if (num_splits > 1) {
+    check_device(part_acc, query, "part_acc");
+    check_device(part_ml, query, "part_ml");
+    TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_acc.is_contiguous() &&
+                    part_acc.sizes() == at::IntArrayRef({num_splits, n, num_heads, head_dv}),
+                "chunked_kv: part_acc must be contiguous fp32 [splits, n, Hq, Dv]");
+    TORCH_CHECK(part_ml.scalar_type() == at::kFloat && part_ml.is_contiguous() &&
+                    part_ml.sizes() == at::IntArrayRef({2, num_splits, n, num_heads}),
+                "chunked_kv: part_ml must be contiguous fp32 [2, splits, n, Hq]");
+    a.part_acc = part_acc.data_ptr<float>();
+    a.part_ml = part_ml.data_ptr<float>();
+  }
+  if (num_rows == 0 || num_q == 0) return;
+  const DeviceGuard guard(query.device());
   a.query = query.data_ptr();
-  a.kv_cache = kv_cache.data_ptr();
+  a.step_rows = step_rows.data_ptr();
+  a.raw_cache = raw_cache.data_ptr();
+  a.comp_cache = comp_cache.data_ptr();
   a.out = out.data_ptr();
-  a.part_acc = num_splits > 1 ? part_acc.data_ptr<float>() : nullptr;
-  a.part_ml = num_splits > 1 ? part_ml.data_ptr<float>() : nullptr;
-  a.block_table = block_table.data_ptr<int32_t>();
-  a.token_req = token_req.data_ptr<int32_t>();
-  a.query_start = query_start.data_ptr<int32_t>();
-  a.seq_lens = seq_lens.data_ptr<int32_t>();
-  a.origins = origins.data_ptr<int32_t>();
+  a.num_rows = to_int(num_rows, "key-set rows");
+  a.num_q = to_int(num_q, "queries per key-set row");
+  a.max_raw = to_int(max_raw, "stored raw rows per key-set row");
+  a.max_slots = to_int(max_slots, "slots per key-set row");
+  a.num_tokens = n;
   a.stride_qt = query.stride(0);
   a.stride_qh = query.stride(1);
+  a.stride_st = step_rows.stride(0);
+  a.stride_sh = step_rows.stride(1);
   a.stride_ot = out.stride(0);
   a.stride_oh = out.stride(1);
-  a.stride_kb = kv_cache.stride(0);
-  a.stride_kh = kv_cache.stride(1);
-  a.stride_ks = kv_cache.stride(2);
-  a.stride_bt = block_table.stride(0);
-  a.num_tokens = static_cast<int>(query.size(0));
-  a.num_heads = static_cast<int>(num_heads);
-  a.num_kv_heads = static_cast<int>(num_kv_heads);
-  a.head_d = static_cast<int>(head_d);
-  a.head_dv = static_cast<int>(head_dv);
-  a.block_size = static_cast<int>(kv_cache.size(2));
-  a.num_splits = static_cast<int>(num_splits);
+  a.stride_rb = raw_cache.stride(0);
+  a.stride_rh = raw_cache.stride(1);
+  a.stride_rs = raw_cache.stride(2);
+  a.stride_cb = comp_cache.stride(0);
+  a.stride_ch = comp_cache.stride(1);
+  a.stride_cs = comp_cache.stride(2);
+  a.window = to_int(window, "window");
+  a.sink_tokens = to_int(sink_tokens, "sink_tokens");
+  a.num_heads = to_int(num_heads, "query heads");
+  a.num_kv_heads = to_int(num_kv_heads, "KV heads");
+  a.head_d = to_int(head_d, "head_d");
+  a.head_dv = to_int(head_dv, "head_dv");
+  a.chunk_size = to_int(chunk_size, "chunk_size");
+  a.hop = to_int(hop, "hop");
+  a.slots_per_group = static_cast<int>(slots_per_group);
+  a.has_pooled = has_pooled;
+  a.tile_q = to_int(tile_q, "tile_q");
+  a.num_splits = to_int(num_splits, "num_splits");
   a.scale = static_cast<float>(scale);
-  a.window = static_cast<int>(window);
-  a.sink_tokens = static_cast<int>(sink_tokens);
-  a.keep_boundary = keep_boundary;
-  a.pooling = pooling(gains, chunk_size, hop, pool_lo, pool_hi, key_norm, log_weight);
-  check_launch(chunked_kv::launch_attend(a, dtype_of(query), c10::cuda::getCurrentCUDAStream().stream()));
+  a.log_weight = static_cast<float>(log_weight);
+  int multiprocessors = 0, max_shared = 0;
+  check_launch(chunked_kv::device_limits(query.device().index(), &multiprocessors, &max_shared));
+  const size_t shared = chunked_kv::attend_shared_bytes(a.tile_q * (a.num_heads / a.num_kv_heads), a.head_d, a.head_dv);
+  TORCH_CHECK(shared <= static_cast<size_t>(max_shared), "chunked_kv: a tile of ", a.tile_q, " queries x ",
+              a.num_heads / a.num_kv_heads, " heads needs ", shared, " bytes of shared memory; the device allows ",
+              max_shared);
+  check_launch(chunked_kv::launch_attend(a, dtype_of(query, "query"), dtype_of(comp_cache, "comp_cache"),
+                                         current_stream(query)));
+}
+
+// Merge the split partials of attend into out [n, Hq, Dv].
+void merge_splits(const Tensor& part_acc, const Tensor& part_ml, const Tensor& out) {
+  check_rows(out, out, "out", 3);
+  check_device(part_acc, out, "part_acc");
+  check_device(part_ml, out, "part_ml");
+  const int64_t n = out.size(0), num_heads = out.size(1), head_dv = out.size(2);
+  const int64_t num_splits = part_acc.dim() == 4 ? part_acc.size(0) : 0;
+  TORCH_CHECK(num_splits >= 1 && part_acc.scalar_type() == at::kFloat && part_acc.is_contiguous() &&
+                  part_acc.sizes() == at::IntArrayRef({num_splits, n, num_heads, head_dv}),
+              "chunked_kv: part_acc must be contiguous fp32 [splits, n, Hq, Dv]");
+  TORCH_CHECK(part_ml.scalar_type() == at::kFloat && part_ml.is_contiguous() &&
+                  part_ml.sizes() == at::IntArrayRef({2, num_splits, n, num_heads}),
+              "chunked_kv: part_ml must be contiguous fp32 [2, splits, n, Hq]");
+  if (n == 0) return;
+  const DeviceGuard guard(out.device());
+  chunked_kv::MergeArgs a{};
+  a.part_acc = part_acc.data_ptr<float>();
+  a.part_ml = part_ml.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.num_tokens = n;
+  a.stride_ot = out.stride(0);
+  a.stride_oh = out.stride(1);
+  a.num_heads = to_int(num_heads, "query heads");
+  a.head_dv = to_int(head_dv, "head_dv");
+  a.num_splits = to_int(num_splits, "num_splits");
+  check_launch(chunked_kv::launch_merge_splits(a, dtype_of(out, "out"), current_stream(out)));
+}
+
+// Shared memory of an attention block of `tile_rows` query rows, in bytes.
+int64_t attend_shared_bytes(int64_t tile_rows, int64_t head_d, int64_t head_dv) {
+  return static_cast<int64_t>(chunked_kv::attend_shared_bytes(to_int(tile_rows, "tile_rows"), to_int(head_d, "head_d"),
+                                                              to_int(head_dv, "head_dv")));
+}
+
+// (multiprocessors, opt-in shared memory per block in bytes) of CUDA device `device`.
+std::tuple<int64_t, int64_t> device_limits(int64_t device) {
+  int multiprocessors = 0, max_shared = 0;
+  check_launch(chunked_kv::device_limits(static_cast<int>(device), &multiprocessors, &max_shared));
+  return {multiprocessors, max_shared};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pool_chunk", &pool_chunk, "Pool chunks into compressed rows (DESIGN.md §3)");
-  m.def("attend", &attend, "Paged chunked attention (DESIGN.md §3-4, §10)");
+  m.def("write_chunks", &write_chunks, "Pool a step's completed chunks into the compressed pages");
+  m.def("attend", &attend, "Chunked attention of one key set over the compressed layout");
+  m.def("merge_splits", &merge_splits, "Merge the split partials of attend");
+  m.def("attend_shared_bytes", &attend_shared_bytes, "Shared memory of an attention block");
+  m.def("device_limits", &device_limits, "(multiprocessors, opt-in shared memory per block)");
+  m.attr("BLOCK_KEYS") = chunked_kv::kBlockKeys;
+  m.attr("MAX_TILE_ROWS") = chunked_kv::kMaxTileRows;
+#ifdef CHUNKED_KV_CPU_EMULATION
+  m.attr("EMULATED") = true;
+#else
+  m.attr("EMULATED") = false;
+#endif
 }

@@ -4,21 +4,40 @@ On any machine:
 - without a CUDA device and without CHUNKED_KV_BUILD_CUDA=1 nothing is
   compiled and no warning is given; the reason names both conditions;
 - a forced build that fails is exactly one warning naming the cause, after
-  which the extension is unavailable with that cause as its reason;
-- where nvcc is installed, the kernels compile for sm_80 and sm_90;
-- where a C++ compiler and the CUDA headers are installed, the torch binding
-  compiles against this torch's headers (syntax only: a CPU build of torch
-  lacks one generated CUDA header, stubbed here, and the CUDA libraries).
+  which the extension is unavailable with that cause as its reason; missing
+  sources are a reason without a build; the build flags change with the
+  headers (the JIT build hashes only the sources); the static limits (GQA
+  group, head sizes) are reasons without a build;
+- where nvcc is installed, the kernels compile for sm_80 and sm_90 without
+  warnings (the registers and spills of every kernel are printed);
+- where g++ and the CUDA headers are installed, the torch binding compiles
+  against this torch's headers (syntax only: a CPU build of torch lacks one
+  generated CUDA header, stubbed here, and the CUDA libraries).
 
-On a GPU (skipped, with the reason, elsewhere): the extension builds, and its
-`pool_chunk` and `attend` equal the reference and the PyTorch paged path for
-every mitigation, GQA 1 and 4, mixed batches, one and several splits, fp32
-and bf16.
+In the CPU emulation (csrc/cpu_emulation.h: the kernels' very source built
+with g++, each block's threads run as fibers in a shuffled order between
+barriers, shared memory starting as NaN), through `schedule.run_schedule`
+with ``impl="cuda"``: every step's compressed rows equal
+`compressed.write_chunks` (target slots NaN before the call) and every
+query's output equals `reference_chunked_attention` (output NaN before the
+call), for every setting of `schedule.CONFIGS` with GQA 1 and 4 and lengths
+63 and 100 among the requests; for GQA 3, values wider than keys, heads wider
+than a block's threads, several query tiles per request, split contexts,
+decode-only batches, bf16 and fp16, fp32 queries over bf16 caches, and
+caches with head-major strides and padded rows. The binding rejects rows
+that are not contiguous; `unsupported` reports a decode tile beyond the
+device's shared memory, and multi-token tiles shrink to fit it.
+
+On a GPU (skipped, with the reason, elsewhere): the extension builds, and
+the same schedules equal the reference for every setting of
+`schedule.CONFIGS`, GQA 1 and 4, fp32 and bf16, and the shapes above.
 """
 
+import importlib.util
+import random
+import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 import warnings
 from pathlib import Path
@@ -27,9 +46,13 @@ import pytest
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import cuda_ext, paged, reference
+from vllm_chunked_kv.ops import cuda_ext
+
+from . import schedule
+from .schedule import CONFIGS, run_schedule
 
 CSRC = Path(cuda_ext.SOURCES_DIR)
+KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 
 
@@ -50,6 +73,7 @@ def test_cpu_only_compiles_nothing(monkeypatch):
         warnings.simplefilter("always")
         assert cuda_ext.load() is None
         reasons = cuda_ext.unavailable_reasons()
+        assert cuda_ext.unsupported(None, 128, 128, 8) == []  # nothing loaded: the reason above says why
     assert caught == []
     assert len(reasons) == 1 and "CUDA device" in reasons[0] and cuda_ext.BUILD_ENV in reasons[0]
 
@@ -72,13 +96,36 @@ def test_failed_forced_build_is_one_warning(monkeypatch):
     assert "Unsupported gpu architecture" in reasons[0]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_kernels_compile_with_nvcc(tmp_path):
-    cmd = ["nvcc", "-c", str(CSRC / "chunked_kv_kernels.cu"), "-o", str(tmp_path / "kernels.o"), "-std=c++17",
-           "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
+def test_missing_sources_are_a_reason_without_a_build(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv(cuda_ext.BUILD_ENV, "1")
+    monkeypatch.setattr(cuda_ext, "SOURCES_DIR", tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built without sources"))
+    reasons = cuda_ext.unavailable_reasons()
+    assert len(reasons) == 1 and "not found" in reasons[0] and "chunked_kv_attention.cu" in reasons[0]
+
+
+def test_build_flags_follow_the_headers(monkeypatch, tmp_path):
+    for name in cuda_ext.HEADERS:
+        shutil.copy(CSRC / name, tmp_path / name)
+    monkeypatch.setattr(cuda_ext, "SOURCES_DIR", tmp_path)
+    before = cuda_ext.headers_digest()
+    (tmp_path / cuda_ext.HEADERS[0]).write_text((CSRC / cuda_ext.HEADERS[0]).read_text() + "\n// changed\n")
+    assert cuda_ext.headers_digest() != before
+
+
+def test_limits_are_reasons_without_a_build(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("unsupported() compiled"))
+    cfg = ChunkedKVConfig(chunk_size=128, window=128)
+    assert len(cuda_ext.unsupported(cfg, 512, 512, cuda_ext.MAX_GROUP + 1)) == 2
+    assert len(cuda_ext.unsupported(cfg, 128, cuda_ext.MAX_HEAD_SIZE + 1, 4)) == 1
+    assert cuda_ext.unsupported(cfg, cuda_ext.MAX_HEAD_SIZE, cuda_ext.MAX_HEAD_SIZE, cuda_ext.MAX_GROUP) == []
+
+
+# ------------------------------------------------------------ compile checks
 
 
 def _cuda_include() -> Path | None:
@@ -86,7 +133,43 @@ def _cuda_include() -> Path | None:
     candidates = [Path("/usr/local/cuda/include")]
     if nvcc:
         candidates.append(Path(nvcc).resolve().parents[1] / "include")
-    return next((p for p in candidates if (p / "cuda_runtime_api.h").is_file()), None)
+    return next((p for p in candidates if (p / "cuda_runtime_api.h").is_file() and (p / "cuda_bf16.h").is_file()),
+                None)
+
+
+def _run_all(commands: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Run the commands at the same time; their results in order."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
+    results = []
+    for cmd, proc in zip(commands, procs):
+        out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_kernels_compile_with_nvcc(tmp_path):
+    from torch.utils import cpp_extension
+
+    commands = [["nvcc", "-c", str(CSRC / name), "-o", str(tmp_path / f"{name}.o"), "-std=c++20", "-O3",
+                 *cpp_extension.COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC",  # as the JIT build compiles them
+                 "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v"]
+                for name in KERNEL_SOURCES]
+    for done in _run_all(commands):
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
+        # ptxas -v: per kernel and arch, "Compiling entry function 'NAME' for 'sm_XX'", then its
+        # stack/spills and registers.
+        pattern = r"entry function '(\S+)' for '(sm_\d+)'\s+.*?(\d+) bytes spill stores.*?Used (\d+) registers"
+        entries = re.findall(pattern, done.stderr, flags=re.S)
+        assert entries, done.stderr[-3000:]
+        names = [name for name, *_ in entries]
+        if shutil.which("c++filt"):
+            demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+            names = demangled.stdout.split("\n")
+        for name, (_, arch, spills, registers) in zip(names, entries):
+            print(f"{arch} {name.replace('chunked_kv::(anonymous namespace)::', '')}: {registers} registers, "
+                  f"{spills} bytes spilled")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None, reason="needs g++ and the CUDA headers")
@@ -95,7 +178,7 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"  # generated only in CUDA builds of torch
     stub.parent.mkdir(parents=True)
     stub.write_text("#pragma once\n")
-    cmd = ["g++", "-fsyntax-only", "-std=c++17", f"-I{tmp_path}", f"-I{torch_include}",
+    cmd = ["g++", "-fsyntax-only", "-std=c++20", f"-I{tmp_path}", f"-I{torch_include}",
            f"-I{torch_include / 'torch/csrc/api/include'}", f"-I{_cuda_include()}",
            f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}", "-DTORCH_EXTENSION_NAME=chunked_kv_cuda",
            str(CSRC / "chunked_kv_ext.cpp")]
@@ -103,17 +186,148 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+# -------------------------------------------------------------- CPU emulation
+
+
+def _build_emulated(out_dir: Path):
+    """The extension built with g++ over csrc/cpu_emulation.h, imported."""
+    torch_dir = Path(torch.__file__).parent
+    from torch.utils import cpp_extension
+
+    no_implicit = [flag for flag in cpp_extension.COMMON_NVCC_FLAGS if flag.startswith("-D")]  # as under nvcc
+    flags = ["-std=c++20", "-O1", "-fPIC", "-DCHUNKED_KV_CPU_EMULATION", *no_implicit, f"-I{CSRC}",
+             f"-I{_cuda_include()}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    torch_flags = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
+                   f"-I{sysconfig.get_paths()['include']}", "-DTORCH_EXTENSION_NAME=chunked_kv_emulated"]
+    objects = [out_dir / f"{name}.o" for name in cuda_ext.SOURCES]
+    commands = [["g++", *flags, *(torch_flags if name.endswith(".cpp") else ["-x", "c++"]), "-c", str(CSRC / name),
+                 "-o", str(obj)] for name, obj in zip(cuda_ext.SOURCES, objects)]
+    for done in _run_all(commands):
+        assert done.returncode == 0, done.stderr[-3000:]
+    library = out_dir / "chunked_kv_emulated.so"
+    link = ["g++", "-shared", *map(str, objects), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch", "-ltorch_cpu",
+            "-ltorch_python", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(library)]
+    done = subprocess.run(link, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("chunked_kv_emulated", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.EMULATED
+    return module
+
+
+@pytest.fixture(scope="module")
+def emulated_module(tmp_path_factory):
+    if shutil.which("g++") is None or _cuda_include() is None:
+        pytest.skip("the CPU emulation needs g++ and the CUDA headers")
+    return _build_emulated(tmp_path_factory.mktemp("chunked_kv_emulated"))
+
+
+@pytest.fixture
+def emulated(emulated_module):
+    """cuda_ext running the emulated extension on CPU tensors (reset afterwards by _fresh_state)."""
+    cuda_ext._state.update(tried=True, module=emulated_module, reason=None)
+    return emulated_module
+
+
+def _lengths(cfg: ChunkedKVConfig, seed: int) -> list[int]:
+    return [63, 100, random.Random(seed).randint(1, 40), 4 * cfg.window + 9]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_emulated_steps_equal_reference(emulated, name, group):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, _lengths(cfg, group), seed=group, impl="cuda", group=group, tol=1e-4) > 4
+
+
+SHAPES = [
+    ("stagger-list", dict(group=3)),
+    ("boundary-gated", dict(group=3, num_kv_heads=3)),
+    ("overlap-key_norm", dict(head_size_v=12)),
+    ("none", dict(group=1, head_size=72, head_size_v=80)),  # rows wider than a block's 128 threads
+    ("none-sinks", dict(group=4, attend_kwargs=dict(block_m=3))),
+    ("boundary-key_norm", dict(group=2, attend_kwargs=dict(num_splits=3))),
+    ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),
+    ("boundary-gated", dict(group=4, decode_only=True)),
+    ("overlap", dict(group=4, dtype=torch.bfloat16, tol=3e-2)),
+    ("stagger-heads", dict(group=2, dtype=torch.float16, tol=1e-2, attend_kwargs=dict(num_splits=2))),
+]
+
+
+def _run_shape(name: str, options: dict, device: str) -> None:
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    if cfg.keep_boundary and options.get("num_kv_heads") == 3:
+        cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
+    options = {"tol": 1e-4, **options}
+    assert run_schedule(cfg, _lengths(cfg, 7), seed=7, impl="cuda", device=device, **options) > 4
+
+
+@pytest.mark.parametrize("name, options", SHAPES)
+def test_emulated_shapes_tiles_splits_and_dtypes(emulated, name, options):
+    _run_shape(name, options, "cpu")
+
+
+def _wrap_pager_caches(monkeypatch, wrap) -> None:
+    """Every schedule.Pager's caches replaced by ``wrap(cache)`` (same contents)."""
+    init = schedule.Pager.__init__
+
+    def wrapped_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.comp, self.raw = wrap(self.comp), wrap(self.raw)
+
+    monkeypatch.setattr(schedule.Pager, "__init__", wrapped_init)
+
+
+def test_emulated_strided_caches(emulated, monkeypatch):
+    """Caches laid out head-major, rows padded with NaN columns: only the strides say where rows are."""
+
+    def strided(cache: torch.Tensor) -> torch.Tensor:
+        blocks, heads, rows, width = cache.shape
+        storage = cache.new_full((heads, blocks, rows, width + 3), float("nan"))
+        view = storage.permute(1, 0, 2, 3)[..., :width]  # [blocks, heads, rows, width]
+        view.copy_(cache)
+        return view
+
+    _wrap_pager_caches(monkeypatch, strided)
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    assert run_schedule(cfg, [63, 100], seed=3, impl="cuda", group=2, tol=1e-4) > 4
+
+
+def test_emulated_fp32_queries_over_bf16_caches(emulated, monkeypatch):
+    _wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
+    cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
+    assert run_schedule(cfg, [63, 100], seed=4, impl="cuda", group=4, tol=3e-2) > 4
+
+
+def test_emulated_binding_rejects_strided_rows(emulated):
+    cache = torch.zeros(4, 2, 8, 16).transpose(2, 3)  # last-dim stride 16
+    step = torch.zeros(3, 2, 8)
+    index = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        emulated.write_chunks(cache, cache, step, torch.zeros(4), index[0, :1], index, index, index,
+                              index[:, :1], index[:, :1], 4, 0, 4, False)
+
+
+def test_unsupported_reports_shared_memory_beyond_the_device(emulated, monkeypatch):
+    cfg = ChunkedKVConfig(**CONFIGS["none"])
+    assert cuda_ext.unsupported(cfg, 256, 256, cuda_ext.MAX_GROUP) == []  # fits the emulated H100
+    monkeypatch.setattr(emulated, "device_limits", lambda device: (4, 99 * 1024))  # an sm_86's limit
+    assert cuda_ext.unsupported(cfg, 128, 128, 8) == []
+    reasons = cuda_ext.unsupported(cfg, 256, 256, cuda_ext.MAX_GROUP)
+    assert len(reasons) == 1 and "shared memory" in reasons[0]
+
+
+def test_tiles_shrink_to_the_shared_memory(emulated):
+    limit = emulated.attend_shared_bytes(8, 256, 256)  # 8 query rows fit, 16 do not
+    assert cuda_ext._tile_queries(emulated, 1, 256, 256, None) == cuda_ext.MAX_TILE_ROWS == emulated.MAX_TILE_ROWS
+    assert cuda_ext._tile_queries(emulated, 1, 256, 256, limit) == 8
+    assert cuda_ext._tile_queries(emulated, 4, 256, 256, limit) == 2  # tiles of whole GQA groups
+
+
 # ------------------------------------------------------------------ on a GPU
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
-
-MITIGATIONS = {
-    "none": dict(chunk_size=4, window=16, sink_tokens=3),
-    "boundary": dict(chunk_size=4, window=16, sink_tokens=5, mitigation="boundary", pooling="key_norm"),
-    "overlap": dict(chunk_size=4, window=16, mitigation="overlap", pooling="gated", slot_gains=[1.0, 2.0, 3.0, 4.0]),
-    "stride2": dict(window=16, sink_tokens=1, mitigation="stride2"),
-    "stagger": dict(chunk_size=4, window=16, sink_tokens=2, mitigation="stagger"),
-}
 
 
 @gpu
@@ -122,51 +336,16 @@ def test_extension_builds_on_a_gpu():
 
 
 @gpu
-@pytest.mark.parametrize("name", list(MITIGATIONS))
-def test_pool_chunk_equals_reference(name):
-    cfg = ChunkedKVConfig(**MITIGATIONS[name])
-    keys = torch.randn(9, 3, cfg.chunk_size, 64, device="cuda")
-    values = torch.randn(9, 3, cfg.chunk_size, 48, device="cuda")
-    for got, want in zip(cuda_ext.pool_chunk(keys, values, cfg), reference.pool_chunk(keys, values, cfg)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def _paged(requests, num_kv_heads, group, head_d, dtype, block_size=16):
-    pages = [-(-s // block_size) for s, _ in requests]
-    order = torch.randperm(sum(pages) + 2)
-    table = torch.zeros(len(requests), max(pages), dtype=torch.int32)
-    used = 0
-    for r, count in enumerate(pages):
-        table[r, :count] = order[used : used + count]
-        used += count
-    kv_cache = torch.randn(sum(pages) + 2, num_kv_heads, block_size, 2 * head_d, device="cuda").to(dtype)
-    batch = paged.PagedBatch.from_vllm(
-        query_start_loc=torch.tensor([0] + [q for _, q in requests]).cumsum(0),
-        seq_lens=torch.tensor([s for s, _ in requests]),
-        block_table=table.cuda(),
-        block_size=block_size,
-    )
-    query = torch.randn(batch.query_start[-1], num_kv_heads * group, head_d, device="cuda").to(dtype)
-    return query, kv_cache, batch
-
-
-@gpu
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("name", list(MITIGATIONS))
-def test_attend_equals_paged_path(name, group, splits):
-    cfg = ChunkedKVConfig(**MITIGATIONS[name])
-    query, kv_cache, batch = _paged([(300, 300), (257, 1), (1, 1), (411, 37)], 2, group, 64, torch.float32)
-    origins = torch.tensor(cfg.origins(0, 2), device="cuda")
-    got = cuda_ext.attend(query, kv_cache, batch, 0.125, cfg, origins, num_splits=splits)
-    want = paged.attend(query, kv_cache, batch, 0.125, cfg, origins)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gpu_steps_equal_reference(name, group, dtype, tol):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, _lengths(cfg, group), seed=group, impl="cuda", device="cuda", group=group,
+                        dtype=dtype, tol=tol) > 4
 
 
 @gpu
-def test_attend_bf16_and_exact():
-    query, kv_cache, batch = _paged([(1000, 1), (200, 64)], 4, 2, 128, torch.bfloat16)
-    got = cuda_ext.attend(query, kv_cache, batch, 0.1)
-    want = paged.attend(query, kv_cache, batch, 0.1)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-
+@pytest.mark.parametrize("name, options", SHAPES)
+def test_gpu_shapes_tiles_splits_and_dtypes(name, options):
+    _run_shape(name, options, "cuda")

@@ -7,14 +7,33 @@ Otherwise it compiles nothing and returns None; `unavailable_reasons()` says
 why. A failed build or import is one warning naming the cause, then None for
 the rest of the process.
 
-`pool_chunk` and `attend` wrap the extension with the signatures of
-`triton_pool.pool_chunk` and `triton_attention.attend`; `unsupported`
-lists the limits of its kernels (the dispatcher uses the Triton kernels
-beyond them).
+`write_chunks` and `attend` have the signatures and semantics of
+`compressed.write_chunks` / `compressed.attend` (and of the Triton kernels,
+whose visibility rule they share): fp32 math; caches ``[num_blocks, Hkv,
+rows_per_block, D + Dv]`` with contiguous rows and any block/head/row
+strides; step rows ``[n, Hkv, D + Dv]``; the plan's int64 index tensors. The
+plan needs no bias (`build_plan(..., bias=False)`). The zero slots of a
+step's writes are a torch index assignment here.
+
+Limits (`unsupported` reports them; the dispatcher then uses the Triton
+kernels):
+
+- at most 32 query heads per KV head and head sizes (keys, values) up to
+  256. An attention block keeps its query rows (``tile × group``), their
+  accumulators and 32 key rows in fp32 shared memory; a decode tile has
+  ``group`` rows, and within these limits it fits the opt-in shared memory
+  of an A100 or H100 (137 KB at most). With the extension loaded,
+  `unsupported` also checks the tile against the device's own limit;
+  multi-token tiles shrink to fit it;
+- positions, slot indices and the window are below ``2**31``;
+- query, step rows and ``out`` share a dtype in the kernels, the two caches
+  another (fp32, fp16 or bf16); other combinations are converted here
+  (exactly: to fp32, or through a temporary ``out``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -22,14 +41,16 @@ from types import ModuleType
 
 import torch
 
+from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.paged import PagedBatch
+from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
 SOURCES_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("chunked_kv_kernels.cu", "chunked_kv_ext.cpp")
-MAX_GROUP, MAX_HEAD_SIZE, MAX_CHUNK = 8, 256, 64  # csrc/chunked_kv.h
-_NO_SEAL_WINDOW = 1 << 30
+SOURCES = ("chunked_kv_write.cu", "chunked_kv_attention.cu", "chunked_kv_ext.cpp")
+HEADERS = ("chunked_kv.h", "chunked_kv_common.cuh", "cpu_emulation.h")
+MAX_TILE_ROWS = 32  # csrc/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
+MAX_GROUP, MAX_HEAD_SIZE = 32, 256  # a decode tile within these fits an A100's or H100's shared memory
 
 _state: dict = {"tried": False, "module": None, "reason": None}
 
@@ -39,10 +60,19 @@ def _build_blocker() -> str | None:
     forced = os.environ.get(BUILD_ENV, "") == "1"
     if not forced and not torch.cuda.is_available():
         return f"no CUDA device (torch.cuda.is_available() is False) and {BUILD_ENV}=1 is not set"
-    missing = [name for name in SOURCES if not (SOURCES_DIR / name).is_file()]
+    missing = [name for name in SOURCES + HEADERS if not (SOURCES_DIR / name).is_file()]
     if missing:
         return f"CUDA sources not found: {', '.join(str(SOURCES_DIR / m) for m in missing)}"
     return None
+
+
+def headers_digest() -> str:
+    """A digest of the headers: part of the build flags, so that a changed
+    header rebuilds the extension (the JIT build hashes the sources only)."""
+    digest = hashlib.sha256()
+    for name in HEADERS:
+        digest.update((SOURCES_DIR / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def load() -> ModuleType | None:
@@ -61,14 +91,15 @@ def load() -> ModuleType | None:
             name="chunked_kv_cuda",
             sources=[str(SOURCES_DIR / name) for name in SOURCES],
             extra_include_paths=[str(SOURCES_DIR)],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"],
+            extra_cflags=["-O3", f"-DCHUNKED_KV_HEADERS={headers_digest()}"],
+            extra_cuda_cflags=["-O3", f"-DCHUNKED_KV_HEADERS={headers_digest()}"],
             verbose=False,
         )
     except Exception as exc:  # any build or import failure: fall back, once, loudly
         cause = (str(exc).strip().splitlines() or [""])[-1][:300]
         _state["reason"] = f"building the CUDA extension failed: {type(exc).__name__}: {cause}"
-        warnings.warn(f"vllm-chunked-kv: {_state['reason']}; using the Triton or PyTorch kernels", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"vllm-chunked-kv: {_state['reason']}; using the Triton or PyTorch kernels", RuntimeWarning,
+                      stacklevel=2)
     return _state["module"]
 
 
@@ -80,84 +111,141 @@ def unavailable_reasons() -> list[str]:
 
 
 def unsupported(cfg: ChunkedKVConfig | None, head_size: int, head_size_v: int, group: int) -> list[str]:
-    """Shapes and settings beyond the CUDA kernels' limits."""
+    """Shapes beyond the kernels' limits (see the module docstring); with
+    the extension loaded, also a decode tile beyond the device's shared memory."""
     reasons = []
     if group > MAX_GROUP:
         reasons.append(f"{group} query heads per KV head (the CUDA kernel takes at most {MAX_GROUP})")
     if max(head_size, head_size_v) > MAX_HEAD_SIZE:
         reasons.append(f"head size {max(head_size, head_size_v)} (the CUDA kernel takes at most {MAX_HEAD_SIZE})")
-    if cfg is not None and cfg.chunk_size > MAX_CHUNK:
-        reasons.append(f"chunk_size {cfg.chunk_size} (the CUDA kernel takes at most {MAX_CHUNK})")
+    module = _state["module"]
+    limit = _shared_limit(module, None)
+    if not reasons and limit is not None:
+        need = module.attend_shared_bytes(group, head_size, head_size_v)
+        if need > limit:
+            reasons.append(f"a decode tile of {group} query heads per KV head with head sizes {head_size}/"
+                           f"{head_size_v} needs {need} bytes of shared memory; the device allows {limit} per block")
     return reasons
 
 
-def _default_splits(blocks: int, max_seq_len: int, device: torch.device) -> int:
-    """Blocks per (token, KV head): enough to fill the device twice over when
-    few tokens read a long context, at most one per 512 positions."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(-(-2 * sms // blocks), -(-max_seq_len // 512), 64))
+def _module() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError(f"CUDA extension unavailable: {_state['reason']}")
+    return module
 
 
-def _pooling_args(cfg: ChunkedKVConfig, device) -> tuple:
-    gains = torch.zeros(cfg.chunk_size) if cfg.pooling == "key_norm" else torch.tensor(cfg.normalised_gains())
+def _device_limits(module: ModuleType, device: torch.device | None) -> tuple[int, int] | None:
+    """(multiprocessors, opt-in shared bytes per block) of `device` (None:
+    the current CUDA device), or None without a device to ask."""
+    if module.EMULATED:
+        return module.device_limits(0)
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return module.device_limits(index)
+
+
+def _shared_limit(module: ModuleType | None, device: torch.device | None) -> int | None:
+    limits = None if module is None else _device_limits(module, device)
+    return None if limits is None else limits[1]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with contiguous rows (a copy only if its last dimension is strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
+                 cfg: ChunkedKVConfig, head_size: int) -> None:
+    """`compressed.write_chunks` in one launch (one block per chunk)."""
+    if writes.zero_heads.numel():
+        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+    if not writes.heads.numel():
+        return
+    module = _module()
     slots = cfg.pooled_slots
-    return gains.to(device=device, dtype=torch.float32), cfg.hop, slots.start, slots.stop, cfg.pooling == "key_norm"
+    key_norm = cfg.pooling == "key_norm"
+    if key_norm or not len(slots):
+        gains = torch.zeros(cfg.chunk_size, dtype=torch.float32, device=comp_cache.device)
+    else:
+        gains = torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=comp_cache.device)
+    c = torch.Tensor.contiguous
+    module.write_chunks(comp_cache, raw_cache, _rows(step_rows), gains, c(writes.heads), c(writes.src_blocks),
+                        c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),
+                        head_size, slots.start, slots.stop, key_norm)
 
 
-def pool_chunk(keys: torch.Tensor, values: torch.Tensor, cfg: ChunkedKVConfig, *, out=None):
-    """As `reference.pool_chunk`, on the GPU: fp32 ``(key_row, value_row, log_weight)``."""
-    module = load()
-    if module is None:
-        raise RuntimeError(f"CUDA extension unavailable: {_state['reason']}")
-    if keys.shape[-2] != cfg.chunk_size or values.shape[:-1] != keys.shape[:-1]:
-        raise ValueError(f"expected [..., {cfg.chunk_size}, head_dim] keys and values, got {tuple(keys.shape)}, {tuple(values.shape)}")
-    lead = keys.shape[:-2]
-    flat_k = keys.reshape(-1, cfg.chunk_size, keys.shape[-1]).contiguous()  # [..., cs, D] -> [M, cs, D]
-    flat_v = values.reshape(-1, cfg.chunk_size, values.shape[-1]).contiguous()  # [..., cs, Dv] -> [M, cs, Dv]
-    gains, hop, lo, hi, key_norm = _pooling_args(cfg, keys.device)
-    key_row, value_row, log_weight = module.pool_chunk(flat_k, flat_v, gains, hop, lo, hi, key_norm, cfg.log_weight)
-    result = (key_row.view(*lead, -1), value_row.view(*lead, -1), log_weight.view(lead))  # [M, ...] -> [..., ...]
-    if out is None:
-        return result
-    for dst, src in zip(out, result):
-        dst.copy_(src)
-    return out
-
-
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, scale: float,
-           cfg: ChunkedKVConfig | None = None, origins: torch.Tensor | None = None, *,
-           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """As `paged.attend`, on the GPU: query ``[n, Hq, D]`` -> ``[n, Hq, Dv]``."""
-    module = load()
-    if module is None:
-        raise RuntimeError(f"CUDA extension unavailable: {_state['reason']}")
+def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
+           plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
+           block_m: int | None = None) -> torch.Tensor:
+    """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
+    ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
+    ``out`` when given. ``num_splits``: blocks per tile and KV head (None:
+    enough to fill the device). ``block_m``: queries per tile of a
+    multi-token request (None: up to 32 query rows, as shared memory allows)."""
+    module = _module()
     n, num_heads, head_d = query.shape
-    num_kv_heads, head_dv = kv_cache.shape[1], kv_cache.shape[-1] - head_d
+    num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if out is None:
         out = query.new_empty(n, num_heads, head_dv)
     if n == 0:
         return out
-    device = query.device
-    if cfg is None:
-        cfg, origins = ChunkedKVConfig(chunk_size=1, window=_NO_SEAL_WINDOW), None
-    if origins is None:
-        origins = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)
-    q_lens = torch.tensor(batch.query_start[1:]) - torch.tensor(batch.query_start[:-1])  # [R]
-    token_req = torch.repeat_interleave(torch.arange(len(q_lens), dtype=torch.int32), q_lens)  # [n]
-    if num_splits is None:
-        num_splits = _default_splits(n * num_kv_heads, max(batch.seq_lens), device)
-    part_acc = torch.empty(num_splits * n * num_heads * head_dv if num_splits > 1 else 0, dtype=torch.float32, device=device)
-    part_ml = torch.empty(2 * num_splits * n * num_heads if num_splits > 1 else 0, dtype=torch.float32, device=device)
-    gains, hop, lo, hi, key_norm = _pooling_args(cfg, device)
-    module.attend(
-        query, kv_cache, out, batch.block_table.to(torch.int32),
-        token_req.to(device), torch.tensor(batch.query_start, dtype=torch.int32, device=device),
-        torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
-        origins.to(device=device, dtype=torch.int32).contiguous(), gains, part_acc, part_ml,
-        float(scale), cfg.window, cfg.sink_tokens, cfg.chunk_size, hop, lo, hi, key_norm,
-        bool(cfg.keep_boundary), cfg.log_weight, num_splits,
-    )
+    query, step_rows = _rows(query), _rows(step_rows)
+    if step_rows.dtype != query.dtype:  # one dtype in the kernel: fp32 holds both exactly
+        query, step_rows = query.float(), step_rows.float()
+    direct = out.dtype == query.dtype and out.stride(-1) == 1
+    target = out if direct else query.new_empty(n, num_heads, head_dv)
+    group = num_heads // num_kv_heads
+    limits = _device_limits(module, query.device)
+    tile_q = block_m or _tile_queries(module, group, head_d, head_dv, None if limits is None else limits[1])
+    tiles = [(keys, 1 if keys.query_index.shape[1] == 1 else tile_q) for keys in plan.key_sets]
+    splits = num_splits or _default_splits(tiles, num_kv_heads, limits)
+    part_acc = part_ml = target  # unused when there is one split
+    if splits > 1:
+        part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=query.device)
+    cfg = plan.cfg
+    origins = plan.origins.to(device=query.device, dtype=torch.long).contiguous()
+    for keys, tile in tiles:
+        c = torch.Tensor.contiguous
+        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml,
+                      c(keys.query_index), c(keys.query_positions), c(keys.raw_blocks), c(keys.raw_offsets),
+                      c(keys.raw_positions), c(keys.num_raw), c(keys.comp_blocks), c(keys.comp_offsets),
+                      c(keys.num_slots), origins, float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens,
+                      cfg.chunk_size, cfg.hop, layout.slots_per_group(cfg), len(cfg.pooled_slots) > 0, tile, splits)
+    if splits > 1:
+        module.merge_splits(part_acc, part_ml, target)
+    if target is not out:
+        out.copy_(target)
     return out
+
+
+def _tile_queries(module: ModuleType, group: int, head_d: int, head_dv: int, shared_limit: int | None) -> int:
+    """Queries per tile of a multi-token request: up to MAX_TILE_ROWS query
+    rows, fewer while a tile's shared memory exceeds the device's limit."""
+    tile = max(1, MAX_TILE_ROWS // group)
+    if shared_limit is None:
+        return tile
+    while tile > 1 and module.attend_shared_bytes(tile * group, head_d, head_dv) > shared_limit:
+        tile //= 2
+    return tile
+
+
+def _default_splits(tiles: list[tuple[KeySet, int]], num_kv_heads: int, limits: tuple[int, int] | None) -> int:
+    """Blocks per (tile, KV head): enough to fill the device twice over when
+    few tiles cover a long context, never more than one per 512 keys."""
+    if limits is None:
+        return 1
+    blocks = num_kv_heads * sum(keys.query_index.shape[0] * -(-keys.query_index.shape[1] // tile)
+                                for keys, tile in tiles)
+    max_keys = max((keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.comp_blocks.shape[1]
+                    for keys, _ in tiles), default=0)
+    if blocks == 0:
+        return 1
+    return max(1, min(-(-2 * limits[0] // blocks), -(-max_keys // 512), 64))
 
 
 def _reset_for_tests() -> None:
