@@ -24,9 +24,12 @@ call), for every setting of `schedule.CONFIGS` with GQA 1 and 4 and lengths
 63 and 100 among the requests; for GQA 3, values wider than keys, heads wider
 than a block's threads, several query tiles per request, split contexts,
 decode-only batches, bf16 and fp16, fp32 queries over bf16 caches, and
-caches with head-major strides and padded rows. The binding rejects rows
-that are not contiguous; `unsupported` reports a decode tile beyond the
-device's shared memory, and multi-token tiles shrink to fit it.
+caches with head-major strides and padded rows; bf16 queries with fp32 step
+rows into an fp16 ``out`` equal `compressed.attend`. The emulation fails
+the schedule when a barrier of the attention kernel is removed (a race).
+The binding rejects rows that are not contiguous; `unsupported` reports a
+decode tile beyond the device's shared memory, and multi-token tiles shrink
+to fit it.
 
 On a GPU (skipped, with the reason, elsewhere): the extension builds, and
 the same schedules equal the reference for every setting of
@@ -46,7 +49,8 @@ import pytest
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import cuda_ext
+from vllm_chunked_kv.ops import compressed, cuda_ext
+from vllm_chunked_kv.ops.step_plan import build_plan
 
 from . import schedule
 from .schedule import CONFIGS, run_schedule
@@ -189,27 +193,32 @@ def test_binding_compiles_against_torch_headers(tmp_path):
 # -------------------------------------------------------------- CPU emulation
 
 
-def _build_emulated(out_dir: Path):
-    """The extension built with g++ over csrc/cpu_emulation.h, imported."""
-    torch_dir = Path(torch.__file__).parent
+def _compile_emulated(source_dir: Path, out_dir: Path, names, module: str = "chunked_kv_emulated") -> None:
+    """Compile sources `names` of `source_dir` with g++ for the emulation
+    into ``out_dir/<name>.o``; the binding as extension `module`."""
     from torch.utils import cpp_extension
 
+    torch_dir = Path(torch.__file__).parent
     no_implicit = [flag for flag in cpp_extension.COMMON_NVCC_FLAGS if flag.startswith("-D")]  # as under nvcc
-    flags = ["-std=c++20", "-O1", "-fPIC", "-DCHUNKED_KV_CPU_EMULATION", *no_implicit, f"-I{CSRC}",
+    flags = ["-std=c++20", "-O1", "-fPIC", "-DCHUNKED_KV_CPU_EMULATION", *no_implicit, f"-I{source_dir}",
              f"-I{_cuda_include()}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     torch_flags = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
-                   f"-I{sysconfig.get_paths()['include']}", "-DTORCH_EXTENSION_NAME=chunked_kv_emulated"]
-    objects = [out_dir / f"{name}.o" for name in cuda_ext.SOURCES]
-    commands = [["g++", *flags, *(torch_flags if name.endswith(".cpp") else ["-x", "c++"]), "-c", str(CSRC / name),
-                 "-o", str(obj)] for name, obj in zip(cuda_ext.SOURCES, objects)]
+                   f"-I{sysconfig.get_paths()['include']}", f"-DTORCH_EXTENSION_NAME={module}"]
+    commands = [["g++", *flags, *(torch_flags if name.endswith(".cpp") else ["-x", "c++"]), "-c",
+                 str(source_dir / name), "-o", str(out_dir / f"{name}.o")] for name in names]
     for done in _run_all(commands):
         assert done.returncode == 0, done.stderr[-3000:]
-    library = out_dir / "chunked_kv_emulated.so"
-    link = ["g++", "-shared", *map(str, objects), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch", "-ltorch_cpu",
-            "-ltorch_python", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(library)]
+
+
+def _link_emulated(objects: list[Path], library: Path):
+    """Link the objects into the extension `library` (named as its file) and import it."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    link = ["g++", "-shared", "-Wl,-Bsymbolic", *map(str, objects), f"-L{torch_lib}", "-lc10", "-ltorch",
+            "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{torch_lib}", "-o", str(library)]  # -Bsymbolic: its own
+    # kernels, whatever other build of them is loaded
     done = subprocess.run(link, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    spec = importlib.util.spec_from_file_location("chunked_kv_emulated", library)
+    spec = importlib.util.spec_from_file_location(library.stem, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.EMULATED
@@ -217,10 +226,20 @@ def _build_emulated(out_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def emulated_module(tmp_path_factory):
+def emulated_objects(tmp_path_factory) -> Path:
+    """A folder with every source of csrc/ compiled for the emulation."""
     if shutil.which("g++") is None or _cuda_include() is None:
         pytest.skip("the CPU emulation needs g++ and the CUDA headers")
-    return _build_emulated(tmp_path_factory.mktemp("chunked_kv_emulated"))
+    out_dir = tmp_path_factory.mktemp("chunked_kv_emulated")
+    _compile_emulated(CSRC, out_dir, cuda_ext.SOURCES)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def emulated_module(emulated_objects):
+    """The extension built from csrc/ with g++ over csrc/cpu_emulation.h."""
+    return _link_emulated([emulated_objects / f"{name}.o" for name in cuda_ext.SOURCES],
+                          emulated_objects / "chunked_kv_emulated.so")
 
 
 @pytest.fixture
@@ -298,6 +317,44 @@ def test_emulated_fp32_queries_over_bf16_caches(emulated, monkeypatch):
     _wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
     cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
     assert run_schedule(cfg, [63, 100], seed=4, impl="cuda", group=4, tol=3e-2) > 4
+
+
+def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):
+    """The emulation is strict enough to fail a race: the attention kernel
+    without the barrier between its logits and its softmax fails the schedule."""
+    for path in CSRC.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    source = tmp_path / "chunked_kv_attention.cu"
+    text = source.read_text()
+    barrier = "      sh.p[r * kProbStride + n] = logit;\n    }\n    __syncthreads();\n"
+    assert text.count(barrier) == 1
+    source.write_text(text.replace(barrier, barrier.removesuffix("    __syncthreads();\n")))
+    rebuilt = ["chunked_kv_attention.cu", "chunked_kv_ext.cpp"]  # an extension of another name: Python
+    _compile_emulated(tmp_path, tmp_path, rebuilt, module="chunked_kv_racy")  # imports one name once
+    objects = [(tmp_path if name in rebuilt else emulated_objects) / f"{name}.o" for name in cuda_ext.SOURCES]
+    racy = _link_emulated(objects, tmp_path / "chunked_kv_racy.so")
+    cuda_ext._state.update(tried=True, module=racy, reason=None)
+    cfg = ChunkedKVConfig(**CONFIGS["none"])
+    with pytest.raises(AssertionError, match="not close"):
+        run_schedule(cfg, [63, 100], seed=1, impl="cuda", group=4, tol=1e-4)
+
+
+def test_emulated_mixed_query_step_and_out_dtypes(emulated):
+    """bf16 queries with fp32 step rows (computed in fp32) written into an fp16 out."""
+    cfg = ChunkedKVConfig(**CONFIGS["none-sinks"])
+    pager = schedule.Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=16)
+    pager.allocate(0, 40)
+    step = [(0, 0, 40)]
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(40, 4, 8, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
+    step_rows = torch.randn(40, 2, 16, generator=gen)  # [n, Hkv, D + Dv] fp32
+    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
+    compressed.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
+    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, 8)
+    want = compressed.attend(query.float(), step_rows, pager.comp, pager.raw, plan, 0.5)  # [n, Hq, Dv] fp32
+    out = torch.full((40, 4, 8), float("nan"), dtype=torch.float16)
+    assert cuda_ext.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out) is out
+    torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def test_emulated_binding_rejects_strided_rows(emulated):
