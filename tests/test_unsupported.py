@@ -2,7 +2,8 @@
 exit, no traceback, and one `error:` line that says what is unsupported and
 why. Covered: a block size that cannot hold whole chunks, a window smaller
 than a chunk, a model with its own sliding window, KV connectors, the
-hybrid KV cache manager turned off, and a quantised (fp8) KV cache."""
+hybrid KV cache manager turned off, a quantised (fp8) KV cache, and
+speculative decoding."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ CASES = {
     ),
     "no hybrid manager": (["--disable-hybrid-kv-cache-manager"], "--disable-hybrid-kv-cache-manager is not supported"),
     "fp8 cache": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    "speculative decoding": (
+        ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
+        "speculative decoding (--speculative-config) is not supported",
+    ),
     "model sliding window": ([], "the model uses its own sliding window (32 tokens)"),
 }
 

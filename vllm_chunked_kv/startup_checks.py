@@ -53,6 +53,11 @@ def _check_paging(cfg: ChunkedKVConfig, vllm_config, cache_config) -> None:
             None, "KV connectors (--kv-transfer-config) are not supported: they move one KV state per "
             "token, and CHUNKED_KV stores one state per tokens_per_state tokens plus a raw window"
         )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ChunkedKVConfigError(
+            None, "speculative decoding (--speculative-config) is not supported: a step's chunk writes "
+            "would pool draft tokens that verification may reject"
+        )
     scheduler_config = getattr(vllm_config, "scheduler_config", None)
     if getattr(scheduler_config, "disable_hybrid_kv_cache_manager", None) is True:
         raise ChunkedKVConfigError(
