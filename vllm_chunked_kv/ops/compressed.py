@@ -40,11 +40,25 @@ def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Ten
     raw_cache[slots // block_size, :, slots % block_size, :] = step_rows[tokens].to(raw_cache.dtype)
 
 
+def zero_unused_slots(comp_cache: torch.Tensor, writes: ChunkWrites) -> None:
+    """Zero the slots below a head's first group (every implementation does
+    this the same way: a handful of rows, once per request)."""
+    if writes.zero_heads.numel():
+        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+
+
+def fixed_gains(cfg: ChunkedKVConfig, device) -> torch.Tensor:
+    """The fixed pooling weight of each slot that the kernels read
+    (``[chunk_size]`` fp32; zeros for key_norm, whose weights come from the keys)."""
+    if cfg.pooling == "key_norm" or not len(cfg.pooled_slots):
+        return torch.zeros(cfg.chunk_size, dtype=torch.float32, device=device)
+    return torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=device)
+
+
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int) -> None:
     """Pool the chunks completed in this step into their compressed slots."""
-    if writes.zero_heads.numel():
-        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+    zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
     stored = raw_cache[writes.src_blocks, writes.heads[:, None], writes.src_offsets]  # [M, chunk_size, Dk + Dv]

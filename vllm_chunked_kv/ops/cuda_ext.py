@@ -43,6 +43,7 @@ import torch
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
@@ -159,17 +160,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int) -> None:
     """`compressed.write_chunks` in one launch (one block per chunk)."""
-    if writes.zero_heads.numel():
-        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+    compressed.zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
     module = _module()
     slots = cfg.pooled_slots
     key_norm = cfg.pooling == "key_norm"
-    if key_norm or not len(slots):
-        gains = torch.zeros(cfg.chunk_size, dtype=torch.float32, device=comp_cache.device)
-    else:
-        gains = torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=comp_cache.device)
+    gains = compressed.fixed_gains(cfg, comp_cache.device)
     c = torch.Tensor.contiguous
     module.write_chunks(comp_cache, raw_cache, _rows(step_rows), gains, c(writes.heads), c(writes.src_blocks),
                         c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),

@@ -7,7 +7,7 @@ pages, and stores the pooled row (and, with boundary retention, the chunk's
 first and last raw rows) at its compressed slots (`layout.py`).
 
 Every pooling mode is one code path: fixed gains (``mean``, ``gated``) come
-from `cfg.normalised_gains()` as a small tensor, ``key_norm`` is a softmax of
+from `compressed.fixed_gains` as a small tensor, ``key_norm`` is a softmax of
 the keys' L2 norms over the pooled slots; ``keep_boundary`` only narrows the
 pooled slots to ``[1, chunk_size - 1)``.
 """
@@ -20,6 +20,7 @@ import triton.language as tl
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
 # Whether this module's kernels run under Triton's CPU interpreter (decided
@@ -152,14 +153,6 @@ def _chunked_kv_write_chunks_kernel(
 # ------------------------------------------------------------------ host side
 
 
-def gains_tensor(cfg: ChunkedKVConfig, device: torch.device) -> torch.Tensor:
-    """The fixed slot gains a kernel reads (``[chunk_size]`` fp32; zeros for
-    key_norm, whose weights come from the keys)."""
-    if cfg.pooling == "key_norm" or not len(cfg.pooled_slots):
-        return torch.zeros(cfg.chunk_size, dtype=torch.float32, device=device)
-    return torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=device)
-
-
 def pooling_constants(cfg: ChunkedKVConfig) -> dict:
     """The constexpr parameters that describe a config's pooling."""
     slots = cfg.pooled_slots
@@ -177,8 +170,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     """`compressed.write_chunks` in one launch: pool the chunks completed in
     this step into their compressed slots (caches ``[num_blocks, Hkv, rows,
     Dk + Dv]``, last dim contiguous; step_rows ``[n, Hkv, Dk + Dv]``)."""
-    if writes.zero_heads.numel():
-        comp_cache[writes.zero_blocks, writes.zero_heads, writes.zero_offsets] = 0
+    compressed.zero_unused_slots(comp_cache, writes)
     num = writes.heads.numel()
     if not num:
         return
@@ -188,7 +180,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     head_dv = comp_cache.shape[-1] - head_size
     contiguous = lambda t: t.contiguous()  # noqa: E731  [M, chunk_size] / [M, spg] index tables
     _chunked_kv_write_chunks_kernel[(triton.cdiv(num, block_chunks),)](
-        step_rows, raw_cache, comp_cache, gains_tensor(cfg, comp_cache.device), contiguous(writes.heads),
+        step_rows, raw_cache, comp_cache, compressed.fixed_gains(cfg, comp_cache.device), contiguous(writes.heads),
         contiguous(writes.src_blocks), contiguous(writes.src_offsets), contiguous(writes.src_step),
         contiguous(writes.dst_blocks), contiguous(writes.dst_offsets),
         num,
