@@ -70,6 +70,20 @@ cudaStream_t current_stream(const Tensor& t) {
 #endif
 }
 
+// Token/head strides of the step's rows and block/head/row strides of both
+// caches, into any launcher struct that has these fields.
+template <typename Args>
+void set_row_strides(Args& a, const Tensor& step_rows, const Tensor& raw_cache, const Tensor& comp_cache) {
+  a.stride_st = step_rows.stride(0);
+  a.stride_sh = step_rows.stride(1);
+  a.stride_rb = raw_cache.stride(0);
+  a.stride_rh = raw_cache.stride(1);
+  a.stride_rs = raw_cache.stride(2);
+  a.stride_cb = comp_cache.stride(0);
+  a.stride_ch = comp_cache.stride(1);
+  a.stride_cs = comp_cache.stride(2);
+}
+
 void check_launch(cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, "chunked_kv: kernel launch failed: ", chunked_kv::error_string(err));
 }
@@ -122,14 +136,7 @@ void write_chunks(const Tensor& comp_cache, const Tensor& raw_cache, const Tenso
   a.comp_cache = comp_cache.data_ptr();
   a.gains = gains.data_ptr<float>();
   a.num_chunks = num_chunks;
-  a.stride_st = step_rows.stride(0);
-  a.stride_sh = step_rows.stride(1);
-  a.stride_rb = raw_cache.stride(0);
-  a.stride_rh = raw_cache.stride(1);
-  a.stride_rs = raw_cache.stride(2);
-  a.stride_cb = comp_cache.stride(0);
-  a.stride_ch = comp_cache.stride(1);
-  a.stride_cs = comp_cache.stride(2);
+  set_row_strides(a, step_rows, raw_cache, comp_cache);
   a.head_d = to_int(head_d, "head_d");
   a.head_dv = to_int(width - head_d, "head_dv");
   a.chunk_size = to_int(chunk_size, "chunk_size");
@@ -211,16 +218,9 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
   a.num_tokens = n;
   a.stride_qt = query.stride(0);
   a.stride_qh = query.stride(1);
-  a.stride_st = step_rows.stride(0);
-  a.stride_sh = step_rows.stride(1);
   a.stride_ot = out.stride(0);
   a.stride_oh = out.stride(1);
-  a.stride_rb = raw_cache.stride(0);
-  a.stride_rh = raw_cache.stride(1);
-  a.stride_rs = raw_cache.stride(2);
-  a.stride_cb = comp_cache.stride(0);
-  a.stride_ch = comp_cache.stride(1);
-  a.stride_cs = comp_cache.stride(2);
+  set_row_strides(a, step_rows, raw_cache, comp_cache);
   a.window = to_int(window, "window");
   a.sink_tokens = to_int(sink_tokens, "sink_tokens");
   a.num_heads = to_int(num_heads, "query heads");
