@@ -9,7 +9,7 @@ The answer rule is the key-value task's: the last word is a query key, the
 correct answer is the word after that key's first occurrence. That word's
 token position `t` decides the phase `t mod len(accuracy)`, and the server
 answers correctly with probability `accuracy[phase]`, drawn from a hash of
-the seed and the prompt's tokens (so a prompt always gets the same answer).
+the seed and the prompt's words (so a prompt always gets the same answer).
 
 Failure switches for the tests: `fail_first` (the first N completion
 requests get HTTP 500), `fail_after` (every completion after N successful
@@ -120,7 +120,9 @@ class FakeEndpoint:
             return " <none>"
         position = first + 1  # token position of the value
         phase = position % len(self.accuracy)
-        digest = hashlib.sha256(f"{self.seed}:{ids}".encode()).digest()
+        # Drawn from the words, not the ids: ids follow the arrival order of
+        # concurrent requests, so a draw from them would differ between runs.
+        digest = hashlib.sha256(f"{self.seed}:{' '.join(words)}".encode()).digest()
         draw = int.from_bytes(digest[:8], "big") / 2**64
         return " " + words[position] if draw < self.accuracy[phase] else " <wrong>"
 

@@ -2,8 +2,9 @@
 
 - Planted effect (p(correct) 0.95 at phases 0, 1, 2 and 0.55 at phase 3 of
   the target's position): the offset probe finds period 4, both probes name
-  phase 3 worst, and the planted 40-point gap lies inside the reported gap
-  interval; the chi-square test rejects independence.
+  phase 3 worst, and the planted 40-point gap and phase-3 accuracy lie
+  within about 3 standard errors of the reported ones (the 95% interval
+  widened by half its width); the chi-square test rejects independence.
 - Phase-independent endpoint: no period, no significant dependence.
 - Output: `--json` prints the summary on stdout; records (JSONL, CSV),
   summary.json and the PNG are written; without a tokenizer the units are characters.
@@ -29,6 +30,14 @@ SIZES = ["--prompts", "48", "--per-phase", "96"]
 PLANTED_GAP = 0.40
 
 
+def _near(ci: list[float], planted: float) -> bool:
+    """The planted value lies in the 95% interval widened by a quarter of its
+    width on each side (about 3 standard errors): four 95% intervals of one
+    fixed sample would each miss 1 time in 20."""
+    lo, hi = ci
+    return lo - (hi - lo) / 4 <= planted <= hi + (hi - lo) / 4
+
+
 def _assert_one_line_error(code, err, fragment):
     assert code == 1
     assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err
@@ -45,11 +54,9 @@ def test_planted_period_and_gap_are_recovered(fake, scan, tmp_path):
     assert offset["period"]["period"] == 4
     for result in (offset, needle):
         assert result["worst_phase"] == 3
-        lo, hi = result["gap"]["ci"]
-        assert lo <= PLANTED_GAP <= hi
+        assert _near(result["gap"]["ci"], PLANTED_GAP)
         assert result["chi2"]["p_value"] < 1e-3
-        phase3 = result["by_phase"][3]
-        assert phase3["ci"][0] <= 0.55 <= phase3["ci"][1]
+        assert _near(result["by_phase"][3]["ci"], 0.55)
     means = [row["position_mean"] for row in needle["by_phase"]]
     sds = [row["position_sd"] for row in needle["by_phase"]]
     assert max(means) - min(means) < 1e-9 and max(sds) - min(sds) < 0.5  # position-matched groups
