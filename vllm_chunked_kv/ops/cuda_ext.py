@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sysconfig
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -47,7 +48,21 @@ from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
-SOURCES_DIR = Path(__file__).resolve().parents[2] / "csrc"
+
+
+INSTALLED_SOURCES = Path("share", "vllm-chunked-kv", "csrc")  # under the environment's prefix (pyproject data-files)
+
+
+def _sources_dir() -> Path:
+    """``csrc/`` of a source checkout, else the copy a wheel installs under
+    the environment's prefix."""
+    checkout = Path(__file__).resolve().parents[2] / "csrc"
+    if checkout.is_dir():
+        return checkout
+    return Path(sysconfig.get_path("data")) / INSTALLED_SOURCES
+
+
+SOURCES_DIR = _sources_dir()
 SOURCES = ("chunked_kv_write.cu", "chunked_kv_attention.cu", "chunked_kv_ext.cpp")
 HEADERS = ("chunked_kv.h", "chunked_kv_common.cuh", "cpu_emulation.h")
 MAX_TILE_ROWS = 32  # csrc/chunked_kv.h kMaxTileRows: query rows of a multi-token tile

@@ -1,0 +1,28 @@
+"""A wheel built from this checkout carries what a non-editable install needs:
+the three shipped demo models (weights, tokenizer, configs) and the CUDA
+sources and headers, installed where `ops/cuda_ext.py` looks for them
+without a checkout (``<prefix>/share/vllm-chunked-kv/csrc``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from vllm_chunked_kv.ops import cuda_ext
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_carries_models_and_cuda_sources(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(ROOT),
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("vllm_chunked_kv-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for model in ("model", "model_gated", "model_stagger"):
+        for name in ("model.safetensors", "config.json", "tokenizer.json"):
+            assert f"vllm_chunked_kv/demo/{model}/{name}" in names
+    data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
+    for name in cuda_ext.SOURCES + cuda_ext.HEADERS:
+        assert (cuda_ext.INSTALLED_SOURCES / name).as_posix() in data
