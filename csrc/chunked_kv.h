@@ -66,7 +66,6 @@ struct AttendArgs {
   int window, sink_tokens;  // positions and slot indices are below 2^31
   int num_heads, num_kv_heads, head_d, head_dv;
   int chunk_size, hop, slots_per_group;
-  bool has_pooled;  // whether a chunk has a pooled row (it has interior slots)
   int tile_q;       // queries of one block
   int num_splits;   // blocks per (tile, KV head), each folding every num_splits-th key block
   float scale, log_weight;

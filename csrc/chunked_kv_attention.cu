@@ -107,7 +107,7 @@ __device__ __forceinline__ void key_meta(const AttendArgs& a, const Tile& t, Sou
     const int64_t at = t.row * a.max_slots + idx;
     *offset = a.comp_blocks[at] * a.stride_cb + t.head * a.stride_ch + a.comp_offsets[at] * a.stride_cs;
     const bool exists = slot_exists(idx, t.origin, t.first_group, a.sink_tokens, a.chunk_size, a.hop,
-                                    a.slots_per_group, a.has_pooled);
+                                    a.slots_per_group);
     *tag = exists ? idx : -1;
     *bias = slot_kind(idx, a.slots_per_group) == 0 ? a.log_weight : 0.f;
   }

@@ -63,15 +63,15 @@ __device__ __forceinline__ int slot_kind(int s, int slots_per_group) { return sl
 
 // Whether compressed slot `s` holds a row at all (whatever the query): its
 // chunk exists on this head's grid, a pooled row's chunk does not lie wholly
-// in the sinks (and has an interior), and a kept first token is not a sink
+// in the sinks, and a kept first token is not a sink
 // (a sink is attended once, as a raw row).
 __device__ __forceinline__ bool slot_exists(int s, int origin, int first_group, int sink_tokens, int chunk_size,
-                                            int hop, int slots_per_group, bool has_pooled) {
+                                            int hop, int slots_per_group) {
   const int kind = slot_kind(s, slots_per_group);
   const int k = slot_group(s, slots_per_group) - first_group;
   const int first = origin + k * hop;
   const int last = first + chunk_size - 1;
-  if (k < 0 || (kind == 0 && !has_pooled)) return false;
+  if (k < 0) return false;
   return kind == 1 ? first >= sink_tokens : last >= sink_tokens;
 }
 

@@ -156,7 +156,7 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
             const Tensor& query_positions, const Tensor& raw_blocks, const Tensor& raw_offsets,
             const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
             const Tensor& num_slots, const Tensor& origins, double scale, double log_weight, int64_t window,
-            int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group, bool has_pooled,
+            int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group,
             int64_t tile_q, int64_t num_splits) {
   check_rows(query, query, "query", 3);
   check_rows(step_rows, query, "step_rows", 3);
@@ -230,7 +230,6 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
   a.chunk_size = to_int(chunk_size, "chunk_size");
   a.hop = to_int(hop, "hop");
   a.slots_per_group = static_cast<int>(slots_per_group);
-  a.has_pooled = has_pooled;
   a.tile_q = to_int(tile_q, "tile_q");
   a.num_splits = to_int(num_splits, "num_splits");
   a.scale = static_cast<float>(scale);

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) write_chunks_kernel(const WriteArgs 
   };
   TC* pooled_row = slot_row(0);
   for (int col = tid; col < width; col += kThreads) {
-    float sum = 0.f;  // no interior: the pooled slot is never attended, and holds zeros
+    float sum = 0.f;
     for (int s = a.pool_lo; s < a.pool_hi; ++s) sum += weight[s] * rows.at(s, col);
     pooled_row[col] = from_float<TC>(sum);
   }

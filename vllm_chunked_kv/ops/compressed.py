@@ -50,7 +50,7 @@ def zero_unused_slots(comp_cache: torch.Tensor, writes: ChunkWrites) -> None:
 def fixed_gains(cfg: ChunkedKVConfig, device) -> torch.Tensor:
     """The fixed pooling weight of each slot that the kernels read
     (``[chunk_size]`` fp32; zeros for key_norm, whose weights come from the keys)."""
-    if cfg.pooling == "key_norm" or not len(cfg.pooled_slots):
+    if cfg.pooling == "key_norm":
         return torch.zeros(cfg.chunk_size, dtype=torch.float32, device=device)
     return torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=device)
 
@@ -65,11 +65,8 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     own = step_rows[writes.src_step.clamp(min=0), writes.heads[:, None]]  # [M, chunk_size, Dk + Dv]
     rows = torch.where((writes.src_step >= 0)[..., None], own.to(stored.dtype), stored)  # [M, chunk_size, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
-    if len(cfg.pooled_slots):
-        key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
-        pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
-    else:  # no interior: the pooled slot is never attended
-        pooled = torch.zeros_like(rows[:, 0])
+    key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
+    pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
     kept = [pooled] + ([rows[:, 0], rows[:, -1]] if layout.slots_per_group(cfg) == 3 else [])
     comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = torch.stack(kept, dim=1)
 
@@ -95,8 +92,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     for keys in plan.key_sets:
         b, num_q = keys.query_index.shape
         raw = _gather(raw_cache, keys.raw_blocks, keys.raw_offsets)  # [b, Hkv, Nr, Dk + Dv]
-        if keys.raw_padding.any():  # padding rows may hold dropped rows: zero them, they are masked
-            pad_b, pad_n = keys.raw_padding.nonzero(as_tuple=True)
+        padding = torch.arange(raw.shape[2], device=raw.device)[None, :] >= keys.num_raw[:, None]  # [b, Nr]
+        if padding.any():  # padding rows may hold dropped rows: zero them, they are masked
+            pad_b, pad_n = padding.nonzero(as_tuple=True)
             raw[pad_b, :, pad_n] = 0
         own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
         slots = _gather(comp_cache, keys.comp_blocks, keys.comp_offsets)  # [b, Hkv, Nc, Dk + Dv]

@@ -227,7 +227,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
                       c(keys.query_index), c(keys.query_positions), c(keys.raw_blocks), c(keys.raw_offsets),
                       c(keys.raw_positions), c(keys.num_raw), c(keys.comp_blocks), c(keys.comp_offsets),
                       c(keys.num_slots), origins, float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens,
-                      cfg.chunk_size, cfg.hop, layout.slots_per_group(cfg), len(cfg.pooled_slots) > 0, tile, splits)
+                      cfg.chunk_size, cfg.hop, layout.slots_per_group(cfg), tile, splits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -83,7 +83,6 @@ class KeySet:
     raw_blocks: torch.Tensor  # [batch, Nr] raw page of each raw row stored before the step
     raw_offsets: torch.Tensor  # [batch, Nr]
     raw_positions: torch.Tensor  # [batch, Nr] position of each stored raw row (0 on padding)
-    raw_padding: torch.Tensor  # [batch, Nr] True where the row is padding (never read)
     num_raw: torch.Tensor  # [batch] stored raw rows of each request (padding follows them)
     comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot
     comp_offsets: torch.Tensor  # [batch, Nc]
@@ -223,7 +222,6 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
         raw_blocks=batch.raw_block_table[req_t, raw_t // batch.raw_block_size].long(),
         raw_offsets=raw_t % batch.raw_block_size,
         raw_positions=raw_t,
-        raw_padding=raw_padding,
         num_raw=torch.tensor([len(p) for p in raw_pos], **long),
         comp_blocks=batch.block_table[req_t, slot_t // per_block].long(),
         comp_offsets=slot_t % per_block,
@@ -254,12 +252,10 @@ def _bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos:
     first = o + k * hop  # [b, Hkv, 1, Nc] first position of the chunk
     last = first + chunk_size - 1
     # What does not depend on the query: a row exists (a pooled row unless the
-    # chunk lies wholly in the sinks or has no interior; a kept boundary token
-    # that is also a sink is attended once, as a sink) ...
+    # chunk lies wholly in the sinks; a kept boundary token that is also a sink
+    # is attended once, as a sink) ...
     exists = (k >= 0) & slot_valid[:, None, None, :] & torch.where(kind == 1, first >= cfg.sink_tokens,
                                                                    last >= cfg.sink_tokens)
-    if not len(cfg.pooled_slots):
-        exists &= kind != 0
     # ... and what does: the chunk is sealed, i.e. k < sealed, i.e. s < spg * (sealed + first_group).
     slot_vis = exists & (s < spg * (sealed + first_group))  # [b, Hkv, L, Nc]
     row_bias = torch.where(kind == 0, cfg.log_weight, 0.0).to(torch.float32)  # [b, 1, 1, Nc]

@@ -58,8 +58,7 @@ def _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end):
 
 @triton.jit
 def _chunked_kv_slot_visible(n, ok, sealed, origin, first_group, sink_tokens,
-                             CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr,
-                             HAS_POOLED: tl.constexpr):
+                             CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr):
     """Compressed slots ``n [N]`` seen by rows with ``sealed [ROWS]`` chunks
     -> ``[ROWS, N]``, and whether each slot is a pooled row ``[N]``. A chunk
     wholly inside the sinks has no pooled row; a boundary token that is a
@@ -69,8 +68,6 @@ def _chunked_kv_slot_visible(n, ok, sealed, origin, first_group, sink_tokens,
     first = origin + k * HOP
     last = first + CHUNK_SIZE - 1
     exists = ok & (k >= 0) & tl.where(kind == 1, first >= sink_tokens, last >= sink_tokens)
-    if not HAS_POOLED:
-        exists = exists & (kind != 0)
     visible = exists[None, :] & (n[None, :] < SPG * (sealed[:, None] + first_group))
     return visible, kind == 0
 
@@ -142,7 +139,7 @@ def _chunked_kv_attention_kernel(
     stride_cb, stride_ch, stride_cs, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr, HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr, DV_P2: tl.constexpr,
-    CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr, HAS_POOLED: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     work, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -211,7 +208,7 @@ def _chunked_kv_attention_kernel(
         s = i * BLOCK_N + n
         ok = s < limit
         visible, pooled = _chunked_kv_slot_visible(s, ok, sealed, origin, first_group, sink_tokens,
-                                                   CHUNK_SIZE, HOP, SPG, HAS_POOLED)
+                                                   CHUNK_SIZE, HOP, SPG)
         block = tl.load(comp_blocks_ptr + comp_row + s, mask=ok, other=0).to(tl.int64)
         offset = tl.load(comp_offsets_ptr + comp_row + s, mask=ok, other=0).to(tl.int64)
         row_off = block * stride_cb + head64 * stride_ch + offset * stride_cs
@@ -254,7 +251,6 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
         NUM_Q_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_M=tile_m, ROWS=rows,
         HEAD_D=head_d, D_P2=triton.next_power_of_2(head_d), HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
         CHUNK_SIZE=cfg.chunk_size, HOP=cfg.hop, SPG=layout.slots_per_group(cfg),
-        HAS_POOLED=len(cfg.pooled_slots) > 0,
         BLOCK_N=16 if INTERPRETED else 64, NUM_SPLITS=splits,
         USE_DOT=rows >= 16 and head_d >= 16 and head_dv >= 16,
         num_warps=4 if rows <= 32 else 8,

@@ -23,10 +23,6 @@ from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
-# Whether this module's kernels run under Triton's CPU interpreter (decided
-# when they are decorated, i.e. when this module is imported).
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-
 # A finite "minus infinity": masked slots get weight exp(-1e30 - max) == 0
 # without the NaN that exp(-inf - -inf) gives on a fully masked row.
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -131,13 +127,9 @@ def _chunked_kv_write_chunks_kernel(
     dst = chunk.to(tl.int64) * SPG  # [BLOCK_C] first slot of each chunk's group
     dst_block = tl.load(dst_blocks_ptr + dst, mask=chunk_ok, other=0)
     dst_offset = tl.load(dst_offsets_ptr + dst, mask=chunk_ok, other=0)
-    if POOL_HI > POOL_LO:
-        weights = _chunked_kv_slot_weights(keys, slot, gains_ptr, CHUNK_SIZE, POOL_LO, POOL_HI, KEY_NORM)
-        key_row = _chunked_kv_pool_rows(weights, keys)  # [BLOCK_C, D_P2]
-        value_row = _chunked_kv_pool_rows(weights, values)  # [BLOCK_C, DV_P2]
-    else:  # no interior: the pooled slot is never attended, store zeros
-        key_row = tl.zeros([BLOCK_C, D_P2], dtype=tl.float32)
-        value_row = tl.zeros([BLOCK_C, DV_P2], dtype=tl.float32)
+    weights = _chunked_kv_slot_weights(keys, slot, gains_ptr, CHUNK_SIZE, POOL_LO, POOL_HI, KEY_NORM)
+    key_row = _chunked_kv_pool_rows(weights, keys)  # [BLOCK_C, D_P2]
+    value_row = _chunked_kv_pool_rows(weights, values)  # [BLOCK_C, DV_P2]
     _chunked_kv_store_row(comp_ptr, dst_block, dst_offset, head, chunk_ok, key_row, value_row,
                           stride_cb, stride_ch, stride_cs, HEAD_D, D_P2, HEAD_DV, DV_P2)
     if SPG == 3:  # boundary retention: the first and last raw rows follow the pooled row
