@@ -42,13 +42,7 @@ class PrometheusServer:
              f"--web.listen-address=127.0.0.1:{self.port}"],
             self.workdir / "prometheus.log",
         )
-        try:
-            ready = wait_ready(self.proc, f"{self.url}/-/ready", timeout=60)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}: {self.log()[-2000:]}") from None
-        if not ready:
-            self.stop()
-            raise TimeoutError(f"prometheus not ready: {self.log()[-2000:]}")
+        wait_ready(self.proc, f"{self.url}/-/ready", 60, "prometheus", lambda: self.log()[-2000:])
         return self
 
     def log(self) -> str:

@@ -44,6 +44,12 @@ CONFIGS = {
 }
 
 
+def kernel_lengths(cfg: ChunkedKVConfig, seed: int) -> list[int]:
+    """Request lengths of the kernel tests: the odd 63 and 100, a short random
+    one, and one that seals many chunks."""
+    return [63, 100, random.Random(seed).randint(1, 40), 4 * cfg.window + 9]
+
+
 class Pager:
     """Pages of several requests, allocated and dropped the way vLLM's managers do."""
 

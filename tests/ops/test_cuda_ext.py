@@ -37,7 +37,6 @@ the same schedules equal the reference for every setting of
 """
 
 import importlib.util
-import random
 import re
 import shutil
 import subprocess
@@ -53,7 +52,7 @@ from vllm_chunked_kv.ops import compressed, cuda_ext
 from vllm_chunked_kv.ops.step_plan import build_plan
 
 from . import schedule
-from .schedule import CONFIGS, run_schedule
+from .schedule import CONFIGS, kernel_lengths, run_schedule
 
 CSRC = Path(cuda_ext.SOURCES_DIR)
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
@@ -249,15 +248,11 @@ def emulated(emulated_module):
     return emulated_module
 
 
-def _lengths(cfg: ChunkedKVConfig, seed: int) -> list[int]:
-    return [63, 100, random.Random(seed).randint(1, 40), 4 * cfg.window + 9]
-
-
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_emulated_steps_equal_reference(emulated, name, group):
     cfg = ChunkedKVConfig(**CONFIGS[name])
-    assert run_schedule(cfg, _lengths(cfg, group), seed=group, impl="cuda", group=group, tol=1e-4) > 4
+    assert run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cuda", group=group, tol=1e-4) > 4
 
 
 SHAPES = [
@@ -279,7 +274,7 @@ def _run_shape(name: str, options: dict, device: str) -> None:
     if cfg.keep_boundary and options.get("num_kv_heads") == 3:
         cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
     options = {"tol": 1e-4, **options}
-    assert run_schedule(cfg, _lengths(cfg, 7), seed=7, impl="cuda", device=device, **options) > 4
+    assert run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="cuda", device=device, **options) > 4
 
 
 @pytest.mark.parametrize("name, options", SHAPES)
@@ -398,7 +393,7 @@ def test_extension_builds_on_a_gpu():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gpu_steps_equal_reference(name, group, dtype, tol):
     cfg = ChunkedKVConfig(**CONFIGS[name])
-    assert run_schedule(cfg, _lengths(cfg, group), seed=group, impl="cuda", device="cuda", group=group,
+    assert run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cuda", device="cuda", group=group,
                         dtype=dtype, tol=tol) > 4
 
 

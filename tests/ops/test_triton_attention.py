@@ -19,25 +19,20 @@ and the kernels as `attend`/`write_chunks` launch them compile ahead of time
 for sm_80/sm_90 (not run).
 """
 
-import random
 
 import pytest
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
 
-from .schedule import CONFIGS
-
-
-def _lengths(cfg: ChunkedKVConfig, seed: int) -> list[int]:
-    return [63, 100, random.Random(seed).randint(1, 40), 4 * cfg.window + 9]
+from .schedule import CONFIGS, kernel_lengths
 
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_steps_equal_reference(triton_ops, name, group):
     cfg = ChunkedKVConfig(**CONFIGS[name])
-    steps = triton_ops.schedule.run_schedule(cfg, _lengths(cfg, group), seed=group, impl="triton", group=group,
+    steps = triton_ops.schedule.run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="triton", group=group,
                                              tol=1e-4)
     assert steps > 4
 
@@ -60,7 +55,7 @@ def test_shapes_tiles_splits_and_dtypes(triton_ops, name, options):
     if cfg.keep_boundary and options.get("num_kv_heads") == 3:
         cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
     options.setdefault("tol", 1e-4)
-    triton_ops.schedule.run_schedule(cfg, _lengths(cfg, 7), seed=7, impl="triton", **options)
+    triton_ops.schedule.run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="triton", **options)
 
 
 @pytest.mark.parametrize(

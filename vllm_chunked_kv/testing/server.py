@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Small, CPU-friendly defaults: no compile, a fixed KV budget (the CPU
@@ -43,22 +44,25 @@ def start_group(command: list[str], log_path: Path, env: dict[str, str] | None =
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float, poll: float = 0.3) -> bool:
-    """Poll ``url`` until it answers 200 (True) or ``timeout`` passes (False);
-    raises if the process exits first."""
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float, name: str, log_tail: Callable[[], str],
+               poll: float = 0.3) -> None:
+    """Poll ``url`` until it answers 200. If the process exits first, or
+    ``timeout`` passes (the process group is then stopped), raise with the
+    server's ``name`` and ``log_tail()``."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{Path(str(proc.args[0])).name} exited with {proc.returncode} before it was ready")
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready:\n{log_tail()}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
-                return True
+                return
         except httpx.HTTPError:
             pass
         time.sleep(poll)
-    return False
+    stop_group(proc)
+    raise TimeoutError(f"{name} not ready after {timeout:.0f}s:\n{log_tail()}")
 
 
 def stop_group(proc: subprocess.Popen | None) -> None:
@@ -95,13 +99,7 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         self.proc = start_group(self.command, self.log_path, env=self.env)
-        try:
-            ready = wait_ready(self.proc, f"{self.base_url}/v1/models", self.timeout, poll=1.0)
-        except RuntimeError as exc:
-            raise RuntimeError(f"vllm serve: {exc}:\n{self.log_tail()}") from None
-        if not ready:
-            self.stop()
-            raise TimeoutError(f"vllm serve not ready after {self.timeout:.0f}s:\n{self.log_tail()}")
+        wait_ready(self.proc, f"{self.base_url}/v1/models", self.timeout, "vllm serve", self.log_tail, poll=1.0)
         return self
 
     def stop(self) -> None:
