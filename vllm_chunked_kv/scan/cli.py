@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", help="served model name (default: the only model the server lists)")
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
     add("--probe", choices=["offset", "needle", "both"], default="both", help="which probe to run (default: both)")
-    add("--task", default="kv", help="'kv' (the synthetic key-value task) or a JSONL file of your own tasks")
+    add("--task", default="kv", help="'kv' (the synthetic key-value task), 'prose-codes' (codes in English prose, for real models) or a JSONL file of your own tasks")
     add("--hop", type=int, help="phase = position mod hop (default: the server's, from /v1/chunked_kv/config, else 4)")
     add("--offsets", type=int, help="offset probe: offsets 0..N-1 (default: 2*hop)")
     add("--prompts", type=int, default=128, help="offset probe: prompts per offset (default: %(default)s)")

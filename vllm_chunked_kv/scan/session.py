@@ -22,6 +22,10 @@ DEFAULT_HOP = 4
 def make_task(args: argparse.Namespace):
     if args.task == "kv":
         return KVTask(args.kv_haystack_len, args.kv_records)
+    if args.task == "prose-codes":
+        from vllm_chunked_kv.tasks.prose_codes import TASK_FILE
+
+        return UserTask(TASK_FILE)
     return UserTask(args.task)
 
 
