@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
+from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings, write_serve_file  # noqa: F401 (re-exported)
 from vllm_chunked_kv.demo.train import (
     CURRICULUM,
     FINETUNE_COMPRESSION,
@@ -43,7 +44,6 @@ from vllm_chunked_kv.demo.train import (
 
 # The curriculum's compressed fine-tune phase, ending early on a running accuracy of 98%.
 STAGGER_PHASE = dataclasses.replace(CURRICULUM[-1], name="finetune-stagger", target_accuracy=0.98, min_steps=200)
-SERVE_FILE = "chunked_kv_serve.json"
 
 
 def staggered_compression(stagger: str | list[list[int]], stagger_groups: int = 2) -> ChunkedKVConfig:
@@ -53,17 +53,6 @@ def staggered_compression(stagger: str | list[list[int]], stagger_groups: int = 
     return ChunkedKVConfig(
         chunk_size=base.chunk_size, window=base.window, sink_tokens=base.sink_tokens, stagger=stagger, **extra
     )
-
-
-def serve_settings(cfg: ChunkedKVConfig) -> dict:
-    """The `chunked_kv` section of vLLM's additional_config that reproduces `cfg`'s attention."""
-    settings = {
-        "chunk_size": cfg.chunk_size, "hop": cfg.hop, "window": cfg.window, "sink_tokens": cfg.sink_tokens,
-        "pooling": cfg.pooling, "stagger": cfg.stagger,
-    }
-    if cfg.stagger == "heads":
-        settings["stagger_groups"] = cfg.stagger_groups
-    return settings
 
 
 def load_for_training(model_dir: Path):
@@ -84,21 +73,6 @@ def finetune(model, compression: ChunkedKVConfig, seed: int, steps_scale: float 
     steps = run_phase(model, make_optimizer(model), phase, rng, 0, log, compression=compression)
     model.eval()
     return [(phase.name, steps, time.perf_counter() - start)]
-
-
-def write_serve_file(out_dir: Path, cfg: ChunkedKVConfig) -> None:
-    """`chunked_kv_serve.json`: how to serve the model with the compression it was fine-tuned under."""
-    meta = {
-        "attention_backend": "chunked_kv",
-        "additional_config": {ADDITIONAL_CONFIG_KEY: serve_settings(cfg)},
-    }
-    (out_dir / SERVE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def read_serve_config(model_dir: Path) -> ChunkedKVConfig:
-    """The compression a fine-tuned model directory says it is served with."""
-    meta = json.loads((Path(model_dir) / SERVE_FILE).read_text())
-    return ChunkedKVConfig.from_additional_config(meta["additional_config"])
 
 
 def _intro(start_dir: Path, cfg: ChunkedKVConfig) -> str:

@@ -1,0 +1,60 @@
+"""Contract of `vllm-chunked-kv adapt` end to end, on the tiny test Llama for a few steps.
+
+- The command writes a model directory that vLLM serves with CHUNKED_KV in
+  the settings of its `chunked_kv_serve.json` (the backend is seen running),
+  with the merged weights (attention projections changed, everything else
+  identical to the base), the adapter alone, a checkpoint and ADAPT.md; the
+  last line of standard output is the directory.
+- Bad settings stop it before training with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from vllm_chunked_kv.cli import main
+from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
+from vllm_chunked_kv.testing.engine_run import generate
+
+SETTINGS = {"chunked_kv": {"chunk_size": 4, "window": 16, "sink_tokens": 4, "stagger": "heads"}}
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("adapted")
+    argv = ["adapt", str(tiny_llama), "--out", str(out), "--steps", "3", "--length", "384", "--lr", "0.01",
+            "--eval-every", "2", "--eval-prompts", "2", "--threads", "1", "--config", json.dumps(SETTINGS)]
+    return out, argv
+
+
+def test_adapt_writes_a_servable_directory(adapted, tiny_llama, capsys):
+    out, argv = adapted
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", SERVE_FILE, "ADAPT.md",
+                 "adapter/adapter.safetensors", "adapter/adapter.json", "work/checkpoint.pt"):
+        assert (out / name).is_file(), name
+    assert read_serve_config(out).stagger == "heads" and read_serve_config(out).window == 16
+    assert "probe" in (out / "ADAPT.md").read_text()
+    base, merged = load_file(str(tiny_llama / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    changed = {k for k in base if not base[k].float().equal(merged[k].float())}
+    assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed)
+
+    serve = json.loads((out / SERVE_FILE).read_text())
+    engine = {"attention_backend": serve["attention_backend"], "additional_config": serve["additional_config"]}
+    result = generate(str(out), engine, [[[5 + i % 200 for i in range(60)]]], max_tokens=4)
+    assert len(result["outputs"][0][0]) == 4
+    assert "Using CHUNKED_KV attention backend" in result["log"]
+
+
+def test_bad_settings_stop_before_training(tiny_llama, tmp_path, capsys):
+    bad = ["adapt", str(tiny_llama), "--out", str(tmp_path / "x"), "--config", '{"chunk_size": 4}']
+    assert main(bad) == 1
+    assert "chunked_kv" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    worse = ["adapt", str(tiny_llama), "--out", str(tmp_path / "y"), "--config", '{"chunked_kv": {"window": 0}}']
+    assert main(worse) == 1
+    assert "window" in capsys.readouterr().err

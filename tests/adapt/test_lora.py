@@ -1,0 +1,80 @@
+"""Contract of the low-rank adapters (`adapt.lora`).
+
+- Wrapping changes nothing until trained (B starts at zero) and freezes
+  every base parameter: only the adapters train.
+- `disabled` runs the base model exactly (the distillation teacher).
+- Saved and merged into a plain copy of the model, the adapter gives the
+  adapted model's logits (so the merged checkpoint `vllm serve` loads is the
+  model that was trained), and the merge touches exactly the target layers.
+- A saved adapter that names a layer the model does not have is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from vllm_chunked_kv.adapt import lora
+from tests.adapt.conftest import tiny_byte_llama
+
+IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _trained_like(adapters):
+    g = torch.Generator().manual_seed(1)
+    for a in adapters.values():
+        a.lora_b.data = torch.randn(a.lora_b.shape, generator=g) * 0.05
+
+
+def test_wrapping_is_identity_and_freezes_the_base():
+    model = tiny_byte_llama()
+    before = model(input_ids=IDS).logits
+    adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
+    assert len(adapters) == 2 * 4  # 2 layers x q/k/v/o
+    assert torch.equal(model(input_ids=IDS).logits, before)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)
+
+
+def test_disabled_is_the_base_model():
+    model = tiny_byte_llama()
+    base = model(input_ids=IDS).logits
+    adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
+    _trained_like(adapters)
+    adapted = model(input_ids=IDS).logits
+    assert not torch.allclose(adapted, base)
+    with lora.disabled(adapters):
+        assert torch.equal(model(input_ids=IDS).logits, base)
+
+
+def test_merge_gives_the_adapted_model(tmp_path):
+    model = tiny_byte_llama()
+    plain = copy.deepcopy(model)
+    adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
+    _trained_like(adapters)
+    for a in adapters.values():  # the saved file is bf16: compare with bf16-rounded adapters
+        a.lora_a.data = a.lora_a.data.to(torch.bfloat16).float()
+        a.lora_b.data = a.lora_b.data.to(torch.bfloat16).float()
+    adapted = model(input_ids=IDS).logits
+    lora.save_adapter(adapters, tmp_path, {"base_model": "tiny"})
+    meta = json.loads((tmp_path / lora.ADAPTER_META).read_text())
+    assert meta["rank"] == 4 and meta["targets"] == sorted(lora.TARGETS)
+    untouched = {n: p.clone() for n, p in plain.named_parameters() if not n.endswith(tuple(f"{t}.weight" for t in lora.TARGETS))}
+    assert lora.merge_into(plain, tmp_path) == 8
+    torch.testing.assert_close(plain(input_ids=IDS).logits, adapted, atol=2e-5, rtol=1e-4)
+    for name, p in plain.named_parameters():
+        if name in untouched:
+            assert torch.equal(p, untouched[name]), name
+
+
+def test_merge_refuses_foreign_adapters(tmp_path):
+    model = tiny_byte_llama()
+    adapters = lora.add_lora(model, rank=2, alpha=2, seed=0)
+    lora.save_adapter(adapters, tmp_path, {})
+    other = tiny_byte_llama()
+    other.model.layers = other.model.layers[:1]  # a model with one layer fewer
+    with pytest.raises(ValueError, match="not a linear layer"):
+        lora.merge_into(other, tmp_path)

@@ -1,0 +1,58 @@
+"""Contract of the adaptation loop (`adapt.train`) on a tiny byte-level Llama.
+
+- The learning rate warms up linearly and decays by cosine to a tenth.
+- Training lowers the loss: on a batch repeated every step, the loss of the
+  last steps is well below that of the first (the update direction is right;
+  the real run's curve is in the adapted model's ADAPT.md).
+- A run stopped after a few steps and started again on the same work
+  directory resumes from its checkpoint and ends with exactly the adapters
+  of an uninterrupted run (same seed, same threads).
+- Only the adapters change: the base weights are untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_chunked_kv.adapt import train
+from vllm_chunked_kv.config import ChunkedKVConfig
+from tests.adapt.conftest import tiny_byte_llama
+
+CFG = ChunkedKVConfig(chunk_size=4, window=64, sink_tokens=4, stagger="heads")
+OPTS = dict(rows=3, full_rows=1, text_rows=1, length=1024, rank=4, alpha=8, eval_every=0, checkpoint_every=2)
+
+
+def test_lr_schedule():
+    opts = train.AdaptOptions(steps=100, warmup=10, lr=1.0)
+    assert train.lr_at(0, opts) == pytest.approx(0.1)
+    assert train.lr_at(9, opts) == pytest.approx(1.0)
+    assert train.lr_at(99, opts) == pytest.approx(0.1, abs=1e-3)
+    assert all(train.lr_at(s, opts) >= train.lr_at(s + 1, opts) for s in range(10, 99))
+
+
+def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch):
+    model = tiny_byte_llama()
+    base = {n: p.clone() for n, p in model.named_parameters()}
+    opts = train.AdaptOptions(steps=16, lr=5e-2, warmup=2, **OPTS)
+    fixed = train.step_rows(byte_tokenizer, 0, opts)
+    monkeypatch.setattr(train, "step_rows", lambda tokenizer, step, opts: fixed)
+    _, records = train.train(model, byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None)
+    loss = [r["loss"] for r in records]
+    assert sum(loss[-3:]) / 3 < 0.85 * sum(loss[:3]) / 3, loss
+    for name, p in model.named_parameters():
+        if name in base:
+            assert torch.equal(p, base[name]), name
+
+
+def test_resume_equals_uninterrupted(byte_tokenizer, tmp_path):
+    opts = train.AdaptOptions(steps=5, lr=5e-3, warmup=2, **OPTS)
+    whole, _ = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "a", log=lambda m: None)
+    train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "b", log=lambda m: None, stop_after=3)
+    messages = []
+    resumed, records = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "b", log=messages.append)
+    assert any("resuming from step 3" in m for m in messages)
+    assert [r["step"] for r in records] == [4, 5]
+    for name in whole:
+        assert torch.equal(whole[name].lora_a, resumed[name].lora_a), name
+        assert torch.equal(whole[name].lora_b, resumed[name].lora_b), name

@@ -1,0 +1,111 @@
+"""Training rows for `adapt`: plain English text and prose retrieval beyond the raw window.
+
+Both kinds use the training split of `tasks.english_text` (standard-library
+docstrings), never the held-out passages perplexity is measured on, nor the
+names and phrasings of the shipped evaluation task (`tasks.prose_codes`).
+
+- text row: `length` tokens of consecutive docstring passages. Loss: KL to
+  the full-attention teacher on every token (keeps the model's general
+  ability under compression).
+- retrieval row: docstring filler with 2-6 facts ("The badge number assigned
+  to Elena Costa is 5521.") at random token positions, then questions about
+  some of them, each answered by its code. Most asked facts sit more than
+  `min_distance` tokens before their question (beyond the raw window), one
+  may be recent. Loss: KL on every token plus cross-entropy on the answers.
+
+Everything follows from the `random.Random` passed in, so a step's batch is
+a function of (seed, step) and a resumed run sees the same data.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from vllm_chunked_kv.tasks import english_text, prose_codes
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Row:
+    ids: list[int]  # [length]
+    labels: list[int]  # [length]: the next-token target at answer tokens, IGNORE elsewhere
+
+
+def _filler(tokenizer, rng: random.Random, count: int) -> list[int]:
+    """`count` tokens of consecutive training passages from a random starting passage."""
+    passages = english_text.passages(False)
+    start = rng.randrange(len(passages))
+    ids: list[int] = []
+    i = start
+    while len(ids) < count + 64:
+        ids += tokenizer.encode(passages[i % len(passages)] + "\n\n")
+        i += 1
+    offset = rng.randrange(0, len(ids) - count + 1)
+    return ids[offset : offset + count]
+
+
+def text_row(tokenizer, rng: random.Random, length: int) -> Row:
+    ids = _filler(tokenizer, rng, length)
+    return Row(ids, [IGNORE] * length)
+
+
+def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int = 160) -> Row:
+    """A retrieval row of exactly `length` tokens (see the module docstring)."""
+    facts = prose_codes.training_facts(rng, rng.randint(2, 6))
+    asked = rng.sample(range(len(facts)), k=min(len(facts), rng.randint(1, 3)))
+    questions = [prose_codes.question_text(facts[i]) for i in asked]
+    question_ids = [(tokenizer.encode(q), tokenizer.encode(a)) for q, a in questions]
+    tail = sum(len(q) + len(a) for q, a in question_ids)
+    records = [tokenizer.encode(" " + f.record) for f in facts]
+    body = length - tail  # tokens before the first question
+    # Asked facts go early enough to be beyond the window; others anywhere in the body.
+    latest_old = body - min_distance - max(len(r) for r in records)
+    if latest_old < 8:
+        raise ValueError(f"length {length} is too short for facts {min_distance} tokens before the questions")
+    recent = rng.random() < 0.25  # sometimes one asked fact is recent (read exactly from the window)
+    starts = _place(rng, records, [i in asked and not (recent and i == asked[-1]) for i in range(len(facts))],
+                    latest_old, body)
+    ids = _filler(tokenizer, rng, body)
+    targets = [IGNORE] * body  # aligned with ids: the token to predict there, at answer tokens only
+    for start, record in zip(starts, records):
+        ids[start : start + len(record)] = record
+    for q, a in question_ids:
+        ids += q + a
+        targets += [IGNORE] * len(q) + a
+    labels = targets[1:] + [IGNORE]  # labels[p]: the target of the prediction made at p
+    return Row(ids[:length], labels[:length])
+
+
+def _place(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int) -> list[int]:
+    """Non-overlapping start positions: `old` records end by `latest_old` + their length
+    (region A), the others go to region A or after it (region B) at random."""
+    region_a = (4, latest_old + max(len(r) for r in records))
+    region_b = (region_a[1] + 1, body)
+    in_a = [o or rng.random() < 0.5 for o in old]
+    size = lambda region, flag: region[1] - region[0] - sum(len(r) + 1 for r, a in zip(records, in_a) if a == flag)  # noqa: E731
+    for i in sorted(range(len(records)), key=lambda i: old[i]):  # rebalance the not-old records if a region overflows
+        if not old[i] and in_a[i] and size(region_a, True) < 0:
+            in_a[i] = False
+        elif not in_a[i] and size(region_b, False) < 0 and size(region_a, True) >= len(records[i]) + 1:
+            in_a[i] = True
+    starts = [0] * len(records)
+    for region, members in ((region_a, [i for i, a in enumerate(in_a) if a]), (region_b, [i for i, a in enumerate(in_a) if not a])):
+        rng.shuffle(members)
+        free = region[1] - region[0] - sum(len(records[i]) + 1 for i in members)
+        if free < 0:  # the asked facts alone do not fit before the window, or everything does not fit
+            raise ValueError("the rows are too short for their facts: make them longer")
+        cuts = sorted(rng.randint(0, free) for _ in members)  # gaps before each record
+        at = region[0]
+        for cut, i in zip(cuts, members):
+            starts[i] = at + cut
+            at += len(records[i]) + 1  # sorted cuts: each record starts after the previous one's end
+    return starts
+
+
+def batch(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids [rows, length], labels [rows, length])."""
+    return torch.tensor([r.ids for r in rows]), torch.tensor([r.labels for r in rows])

@@ -1,0 +1,141 @@
+"""Low-rank adapters on the attention projections: add, switch off, save, merge.
+
+`adapt` trains only these: for each target linear layer ``W`` (q/k/v/o of
+every decoder layer) a pair ``A [rank, in]``, ``B [out, rank]`` adds
+``scale * B @ A`` to it, ``scale = alpha / rank``. ``B`` starts at zero, so
+training starts from the model itself. Merged, the adapter is an ordinary
+weight update: the adapted model is a plain checkpoint that `vllm serve`
+loads with no plugin code.
+
+Files of an adapter directory:
+
+- `adapter.safetensors`: ``<module path>.lora_a`` / ``.lora_b`` tensors (bf16);
+- `adapter.json`: rank, alpha, targets, the base model it was trained on;
+- `chunked_kv_serve.json`: how to serve the merged model (see `serve_file`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_chunked_kv.serve_file import SERVE_FILE
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_META = "adapter.json"
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + scale * (x @ A^T) @ B^T``; the base layer stays frozen."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base = base
+        self.rank, self.alpha = rank, alpha
+        self.scale = alpha / rank
+        self.enabled = True
+        a = torch.randn(rank, base.in_features, generator=generator) / base.in_features**0.5  # [r, in]
+        self.lora_a = nn.Parameter(a)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))  # [out, r]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        out = self.base(x)
+        if not self.enabled:
+            return out
+        return out + (x @ self.lora_a.to(x.dtype).T @ self.lora_b.to(x.dtype).T) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """The weight update ``[out, in]`` this adapter stands for, fp32."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, seed: int, targets=TARGETS) -> dict[str, LoRALinear]:
+    """Freeze `model` and wrap every target projection; returns {module path: adapter}."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    adapters: dict[str, LoRALinear] = {}
+    for path, module in list(model.named_modules()):  # sorted by construction: deterministic init order
+        for name in targets:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                wrapped = LoRALinear(child, rank, alpha, generator)
+                setattr(module, name, wrapped)
+                adapters[f"{path}.{name}" if path else name] = wrapped
+    if not adapters:
+        raise ValueError(f"no {'/'.join(targets)} linear layers found to adapt")
+    return adapters
+
+
+@contextlib.contextmanager
+def disabled(adapters: dict[str, LoRALinear]) -> Iterator[None]:
+    """Run the base model (the distillation teacher) inside the block."""
+    for a in adapters.values():
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in adapters.values():
+            a.enabled = True
+
+
+def adapter_state(adapters: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
+    state = {}
+    for path, a in adapters.items():
+        state[f"{path}.lora_a"] = a.lora_a.detach()
+        state[f"{path}.lora_b"] = a.lora_b.detach()
+    return state
+
+
+def save_adapter(adapters: dict[str, LoRALinear], out_dir: Path, meta: dict) -> None:
+    """Write `adapter.safetensors` (bf16) and `adapter.json` into `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in adapter_state(adapters).items()}
+    save_file(state, str(out_dir / ADAPTER_WEIGHTS))
+    first = next(iter(adapters.values()))
+    meta = {"rank": first.rank, "alpha": first.alpha, "targets": sorted({p.rsplit(".", 1)[1] for p in adapters}), **meta}
+    (out_dir / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def merge_into(model: nn.Module, adapter_dir: Path) -> int:
+    """Add the saved adapter's updates to `model`'s plain linear weights; returns how many were merged."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((adapter_dir / ADAPTER_META).read_text())
+    scale = meta["alpha"] / meta["rank"]
+    state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    modules = dict(model.named_modules())
+    paths = sorted({key.rsplit(".", 1)[0] for key in state})
+    for path in paths:
+        linear = modules.get(path)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"adapter names {path}, which is not a linear layer of this model")
+        delta = state[f"{path}.lora_b"].float() @ state[f"{path}.lora_a"].float() * scale  # [out, in]
+        linear.weight.data = (linear.weight.data.float() + delta).to(linear.weight.dtype)
+    return len(paths)
+
+
+def merge_adapter(model_dir: Path, adapter_dir: Path, out_dir: Path) -> None:
+    """Write `model_dir` with `adapter_dir` merged into `out_dir`: weights in the base
+    checkpoint's dtype (the merge itself in fp32), tokenizer, serve file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    stored = model.dtype
+    merge_into(model.float(), Path(adapter_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(stored).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    for name in ("tokenizer_config.json",):  # keep the base's tokenizer class (see models.fetch)
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, out_dir / name)
+    shutil.copy(Path(adapter_dir) / SERVE_FILE, out_dir / SERVE_FILE)

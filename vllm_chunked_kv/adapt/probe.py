@@ -1,0 +1,51 @@
+"""A quick in-process retrieval probe for `adapt`: the shipped prose-codes task in transformers.
+
+Builds needle prompts from the evaluation task lines the way the scanner's
+needle probe does (filler before and after the record, a fixed prompt length,
+the record at a chosen token position) and scores them teacher-forced: a
+prompt counts as correct when the argmax at every answer token is that token
+(the same tokens greedy decoding would produce). One forward per prompt, so
+it can run between training steps; the served numbers come from the scanner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from vllm_chunked_kv.tasks import prose_codes
+
+
+def _cycled(ids: list[int], count: int) -> list[int]:
+    return list(itertools.islice(itertools.cycle(ids), count))
+
+
+def needle_prompts(tokenizer, count: int, span: tuple[int, int] = (40, 400), seed: int = 0):
+    """[(prompt ids, answer ids)]: needles at positions drawn from `span`, prompts
+    padded to the same length (the record then sits >= the template's tail from the end)."""
+    rng = random.Random(f"adapt-probe:{seed}")
+    lines = prose_codes.task_lines(max(count, 1), seed=1)  # not the shipped file's seed
+    out = []
+    for line in lines[:count]:
+        head, tail = line["template"].split("{record}")
+        head_ids, tail_ids = tokenizer.encode(head), tokenizer.encode(tail)
+        record_ids, filler_ids = tokenizer.encode(line["record"]), tokenizer.encode(line["filler"])
+        position = rng.randint(*span)
+        before = max(position - len(head_ids), 0)
+        after = span[1] - len(head_ids) - before
+        prompt = head_ids + _cycled(filler_ids, before) + record_ids + _cycled(filler_ids, after) + tail_ids
+        out.append((prompt, tokenizer.encode(" " + line["answer"])))
+    return out
+
+
+@torch.no_grad()
+def accuracy(model, prompts) -> float:
+    """Fraction of prompts whose answer tokens are all the argmax, teacher-forced."""
+    correct = 0
+    for prompt, answer in prompts:
+        ids = torch.tensor([prompt + answer])  # [1, T]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [len(answer), vocab]
+        correct += int(logits.argmax(-1).tolist() == answer)
+    return correct / max(len(prompts), 1)

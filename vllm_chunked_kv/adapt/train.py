@@ -1,0 +1,170 @@
+"""The adaptation loop: LoRA on the attention projections, distilled from the model's own full attention.
+
+Each step (docs/adapt.md has the reasons and what was tried):
+
+- a batch of `rows` rows of `length` tokens: retrieval rows and text rows
+  (`adapt.data`), drawn from `Random(f"{seed}:{step}")`;
+- the teacher is the same model with its adapters switched off, under full
+  attention: its next-token distributions on every row, without gradients;
+- the student is the adapted model; the last `full_rows` rows run under full
+  attention (so full-attention quality does not decay), the others under the
+  chunked attention it will be served with (`demo.attention`, the
+  reference's visible set);
+- loss = KL(teacher || student) averaged over tokens + cross-entropy on the
+  retrieval answers; AdamW on the adapters only, linear warm-up then cosine
+  decay to a tenth, gradients clipped at 1.
+
+A checkpoint (adapters, optimizer, step) is written atomically every
+`checkpoint_every` steps; a run started again on the same output directory
+continues from it and ends with the same weights as an uninterrupted run
+(same torch build and thread count).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_chunked_kv.adapt import data, lora, probe
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.demo.attention import chunked_attention
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class AdaptOptions:
+    steps: int = 600
+    rows: int = 4  # rows per batch
+    full_rows: int = 1  # of which the last ones run at full attention
+    text_rows: int = 1  # of which the first chunked ones are plain text (the rest retrieval)
+    length: int = 384  # tokens per row
+    lr: float = 1e-3
+    warmup: int = 20
+    rank: int = 16
+    alpha: float = 32.0
+    ce_weight: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 25
+    eval_every: int = 100  # steps between retrieval probes (0: never)
+    eval_prompts: int = 16
+
+
+def lr_at(step: int, opts: AdaptOptions) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to lr / 10 at the last step."""
+    if step < opts.warmup:
+        return opts.lr * (step + 1) / opts.warmup
+    progress = (step - opts.warmup) / max(opts.steps - opts.warmup, 1)
+    return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def step_rows(tokenizer, step: int, opts: AdaptOptions) -> list[data.Row]:
+    """The batch of `step`: text rows first, then retrieval rows (the last `full_rows` at full attention)."""
+    rng = random.Random(f"{opts.seed}:{step}")
+    rows = []
+    for i in range(opts.rows):
+        text = i < opts.text_rows or (i >= opts.rows - opts.full_rows and step % 2 == 1)
+        rows.append(data.text_row(tokenizer, rng, opts.length) if text else data.retrieval_row(tokenizer, rng, opts.length))
+    return rows
+
+
+def _logits(model, ids: torch.Tensor, cfg: ChunkedKVConfig | None) -> torch.Tensor:
+    """Logits [rows, length, vocab] under chunked attention `cfg`, or full (sdpa) when None."""
+    if cfg is None:
+        model.set_attn_implementation("sdpa")
+        return model(input_ids=ids).logits
+    with chunked_attention(model, cfg):
+        return model(input_ids=ids).logits
+
+
+def loss_terms(model, adapters, ids, labels, cfg: ChunkedKVConfig, opts: AdaptOptions) -> tuple[torch.Tensor, float, float]:
+    """(loss to minimise, KL value, CE value) for one batch."""
+    split = ids.shape[0] - opts.full_rows  # rows [0, split) chunked
+    with torch.no_grad(), lora.disabled(adapters):
+        teacher = _logits(model, ids, None).float().log_softmax(-1)  # [rows, length, vocab]
+    student = torch.cat([_logits(model, ids[:split], cfg), _logits(model, ids[split:], None)])
+    student = student.float().log_softmax(-1)  # [rows, length, vocab]
+    kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+    answer = labels != data.IGNORE
+    ce = F.nll_loss(student[answer], labels[answer]) if bool(answer.any()) else student.new_zeros(())
+    return kl + opts.ce_weight * ce, float(kl.detach()), float(ce.detach())
+
+
+def _save_checkpoint(path: Path, adapters, optimizer, step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "adapters": lora.adapter_state(adapters), "optimizer": optimizer.state_dict()}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, adapters, optimizer) -> int:
+    state = torch.load(path, weights_only=True)
+    for name, a in adapters.items():
+        a.lora_a.data.copy_(state["adapters"][f"{name}.lora_a"])
+        a.lora_b.data.copy_(state["adapters"][f"{name}.lora_b"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None, stop_after: int | None = None):
+    """Adapt `model` (fp32, transformers Llama-like) in place; returns (adapters, log records).
+
+    `work_dir` holds the checkpoint and `train_log.jsonl`; `stop_after`
+    ends the run after that many steps of this call (for tests of resuming)."""
+    import json
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    adapters = lora.add_lora(model, opts.rank, opts.alpha, opts.seed)
+    params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = work_dir / CHECKPOINT
+    start = _load_checkpoint(checkpoint, adapters, optimizer) if checkpoint.exists() else 0
+    if start:
+        log(f"resuming from step {start} ({checkpoint})")
+    prompts = probe.needle_prompts(tokenizer, opts.eval_prompts) if opts.eval_every else []
+    records, began, done = [], time.perf_counter(), 0
+    with open(work_dir / "train_log.jsonl", "a") as log_file:
+        for step in range(start, opts.steps):
+            if stop_after is not None and done >= stop_after:
+                _save_checkpoint(checkpoint, adapters, optimizer, step)
+                break
+            ids, labels = data.batch(step_rows(tokenizer, step, opts))
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, opts)
+            model.train()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, kl, ce = loss_terms(model, adapters, ids, labels, cfg, opts)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done += 1
+            rate = done / (time.perf_counter() - began)
+            record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts), "steps_per_s": rate}
+            if opts.eval_every and (step + 1) % opts.eval_every == 0:
+                model.eval()
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), chunked_attention(model, cfg):
+                    record["probe_chunked"] = probe.accuracy(model, prompts)
+            records.append(record)
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+            eta = (opts.steps - step - 1) / rate
+            extra = f" probe {record['probe_chunked']:.0%}" if "probe_chunked" in record else ""
+            log(f"step {step + 1}/{opts.steps} loss {record['loss']:.3f} (kl {kl:.3f} ce {ce:.3f}) "
+                f"{rate:.3f} steps/s eta {eta / 60:.0f} min{extra}")
+            if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
+                _save_checkpoint(checkpoint, adapters, optimizer, step + 1)
+    model.eval()
+    return adapters, records
+
+
+def options_dict(opts: AdaptOptions) -> dict:
+    return asdict(opts)
