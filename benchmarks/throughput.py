@@ -6,10 +6,18 @@ interpreter) runs `--batch` requests of that many prompt tokens: with
 ``max_tokens=1`` (prefill time: the wall time of that call, after one
 warm-up call) and with ``max_tokens=1+decode_tokens`` (decode tokens/s:
 `decode_tokens` per request over the time between the first and the last
-generated token, from vLLM's own request timestamps). Prefix caching is off. Ratios are CHUNKED_KV over default (prefill: time, lower is better;
+generated token, from vLLM's own request timestamps). Prefix caching is
+off. Ratios are CHUNKED_KV over default (prefill: time, lower is better;
 decode: tokens/s, higher is better).
 
     python benchmarks/throughput.py --contexts 2048 8192 16384
+
+`--model DIR` measures a real model directory instead of the built
+benchmark Llama (`--dtype` as it is served, e.g. bfloat16); a context plus
+the decoded tokens must fit the model's `max_position_embeddings`:
+
+    python benchmarks/throughput.py --model /tmp/smollm2-135m --dtype bfloat16 \
+        --contexts 1024 4096 8152 --chunked-kv '{"chunk_size": 4, "window": 128, "sink_tokens": 4}'
 """
 
 from __future__ import annotations
@@ -66,9 +74,19 @@ def measure(model: Path, engine: dict, context: int, batch: int, decode_tokens: 
     return json.loads(lines[-1])
 
 
+def max_positions(model: Path) -> int | None:
+    """The model directory's `max_position_embeddings` (None if it does not say)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    return data.get("max_position_embeddings", data.get("text_config", {}).get("max_position_embeddings"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: the benchmark Llama, built in a temp dir)")
+    parser.add_argument("--dtype", default="float32", help="dtype both backends serve the model in")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -86,8 +104,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_bench_model(Path(tmp) / "bench-llama")
+        limit = max_positions(model)
         for context in args.contexts:
-            engine = dict(enforce_eager=True, dtype="float32", max_model_len=context + args.decode_tokens + 8,
+            if limit is not None and context + args.decode_tokens + 8 > limit:
+                parser.error(f"context {context} + {args.decode_tokens} decode tokens + 8 exceeds the model's "
+                             f"{limit} positions (use at most {limit - args.decode_tokens - 8})")
+        for context in args.contexts:
+            engine = dict(enforce_eager=True, dtype=args.dtype, max_model_len=context + args.decode_tokens + 8,
                           max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                           kv_cache_memory_bytes=2 << 30, seed=0)
             default = measure(model, engine, context, args.batch, args.decode_tokens, args.threads)
@@ -98,7 +121,8 @@ def main() -> None:
                              prefill_time_ratio=chunked["prefill_s"] / default["prefill_s"],
                              decode_speed_ratio=chunked["decode_tok_s"] / default["decode_tok_s"]))
 
-    print(f"chunked_kv={json.dumps(settings)} batch={args.batch} decode_tokens={args.decode_tokens} "
+    print(f"model={args.model or 'benchmark Llama'} dtype={args.dtype} "
+          f"chunked_kv={json.dumps(settings)} batch={args.batch} decode_tokens={args.decode_tokens} "
           f"max_num_batched_tokens={args.max_num_batched_tokens} threads={args.threads}")
     print(f"{'context':>8} {'prefill s default':>18} {'chunked':>8} {'ratio':>6} "
           f"{'decode tok/s default':>21} {'chunked':>8} {'ratio':>6}")

@@ -1,0 +1,97 @@
+"""Contract of benchmarks/perplexity.py, on the tiny Llama (fp32) through vLLM.
+
+- `perplexity(model, settings, documents=...)` scores every next token of
+  each token-id document through vLLM's prompt log-probs: the default
+  backend's mean NLL equals the same NLL computed directly in transformers
+  (fp32) within 1e-3, overall and beyond the window.
+- CHUNKED_KV with a config that must equal full attention (chunk_size 1:
+  every "compressed" row is one raw token) gives the default backend's
+  perplexity within 1e-3 in NLL; a compressing config (chunk 4, window 16)
+  gives a clearly different one, so the chunked path really ran.
+- The result counts the scored tokens (one per position after the first)
+  and those at query positions >= `beyond`; `served_settings` reads a model
+  directory's chunked_kv_serve.json and `format_table` names every mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "perplexity.py"
+DOCS, TOKENS, BEYOND = 2, 200, 40
+TOLERANCE = 1e-3  # in mean NLL (nats)
+
+
+@pytest.fixture(scope="module")
+def ppl():
+    spec = importlib.util.spec_from_file_location("perplexity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def documents():
+    rng = random.Random(0)
+    return [[2] + [rng.randrange(10, 260) for _ in range(TOKENS - 1)] for _ in range(DOCS)]  # <bos> + words
+
+
+def _transformers_nll(model_dir, documents) -> tuple[float, float]:
+    """Mean NLL of every next token (and of those predicted at positions >= BEYOND), fp32 full attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(documents)  # [docs, T]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits  # [docs, T, vocab]
+    logprobs = torch.log_softmax(logits[:, :-1].double(), dim=-1)  # [docs, T-1, vocab]
+    nll = -logprobs.gather(-1, ids[:, 1:, None])[..., 0]  # [docs, T-1]
+    return nll.mean().item(), nll[:, BEYOND:].mean().item()
+
+
+def test_perplexity_matches_transformers_and_full_attention(ppl, tiny_llama, documents):
+    kw = dict(documents=documents, dtype="float32", beyond=BEYOND, engine={"kv_cache_memory_bytes": 64 << 20})
+    default = ppl.perplexity(tiny_llama, None, **kw)
+    assert default["tokens"] == DOCS * (TOKENS - 1)
+    assert default["tokens_beyond"] == DOCS * (TOKENS - 1 - BEYOND)
+    assert default["ppl"] == pytest.approx(math.exp(default["nll"]))
+
+    direct, direct_beyond = _transformers_nll(tiny_llama, documents)
+    assert abs(default["nll"] - direct) < TOLERANCE, (default["nll"], direct)
+    assert abs(default["nll_beyond"] - direct_beyond) < TOLERANCE, (default["nll_beyond"], direct_beyond)
+
+    exact = ppl.perplexity(tiny_llama, {"chunk_size": 1, "window": 16}, **kw)
+    assert abs(exact["nll"] - default["nll"]) < TOLERANCE, (exact["nll"], default["nll"])
+
+    compressed = ppl.perplexity(tiny_llama, {"chunk_size": 4, "window": 16, "sink_tokens": 4}, **kw)
+    assert abs(compressed["nll_beyond"] - default["nll_beyond"]) > 100 * TOLERANCE, compressed
+    rows = [{"mode": "default", **default}, {"mode": "none", **compressed}]
+    for row in rows:
+        row["ppl_ratio"], row["ppl_beyond_ratio"] = row["ppl"] / default["ppl"], row["ppl_beyond"] / default["ppl_beyond"]
+    table = ppl.format_table(rows)
+    assert "| default |" in table and "| none |" in table and "1.000" in table
+
+
+def test_modes_and_served_settings(ppl, tmp_path):
+    assert ppl.mode_settings("default", tmp_path) is None
+    assert ppl.mode_settings("stride2", tmp_path)["chunk_size"] == 2
+    assert ppl.mode_settings("key_norm", tmp_path)["pooling"] == "key_norm"
+    assert ppl.beyond_position(None) == 4 + 128 + 4
+    with pytest.raises(FileNotFoundError):
+        ppl.mode_settings("served", tmp_path)
+    settings = {"chunk_size": 4, "window": 32, "sink_tokens": 4, "stagger": "heads"}
+    serve = {"attention_backend": "chunked_kv", "additional_config": {"chunked_kv": settings}}
+    (tmp_path / ppl.SERVE_FILE).write_text(json.dumps(serve))
+    from vllm_chunked_kv.config import ChunkedKVConfig
+
+    served = ChunkedKVConfig.from_additional_config({"chunked_kv": ppl.mode_settings("served", tmp_path)})
+    assert served == ChunkedKVConfig(**settings)
+    with pytest.raises(ValueError):
+        ppl.mode_settings("bogus", tmp_path)
