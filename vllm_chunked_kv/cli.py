@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scan": ("vllm_chunked_kv.scan.cli", "sweep offsets/needle positions against an OpenAI-compatible endpoint"),
     "quickstart": ("vllm_chunked_kv.quickstart", "serve a tiny local model with chunked_kv and ask it one question"),
     "build-test-models": ("vllm_chunked_kv.testing.models", "build the tiny random-weight test models"),
+    "models": ("vllm_chunked_kv.models.cli", "fetch a real model (checked, converted to bf16) and print its directory"),
+    "adapt": ("vllm_chunked_kv.adapt.cli", "fine-tune a model to read its chunked KV cache (LoRA + distillation)"),
 }
 
 

@@ -1,0 +1,29 @@
+"""Session fixtures of the model tests: one cache directory, and SmolLM2-135M
+fetched into it once per session.
+
+The cache is `$VLLM_CHUNKED_KV_CACHE` when set, so a developer's cache is
+reused (no download, no conversion); otherwise a fresh temporary directory,
+and the first test that needs the model downloads it (93 MB) and converts it
+(about 20 s).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_chunked_kv.models import cache
+from vllm_chunked_kv.models.fetcher import fetch
+
+
+@pytest.fixture(scope="session")
+def models_cache(tmp_path_factory) -> Path:
+    configured = os.environ.get(cache.ENV_CACHE)
+    return Path(configured).expanduser() if configured else tmp_path_factory.mktemp("models-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(models_cache) -> Path:
+    return fetch("smollm2-135m", models_cache)

