@@ -43,14 +43,19 @@ MODE_MODELS = {"stagger fine-tuned": "stagger_model"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model directory (default: the shipped demo model)")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
+                        help="model directory (default: the shipped demo model), or a known real model name "
+                        "(smollm2-135m: fetched, served and scanned, see demo/real_model.py)")
+    parser.add_argument("--adapted-model", help="with a real model: its adapted directory (default: the cached "
+                        "'models fetch NAME --adapted' directory when there is one)")
     parser.add_argument("--stagger-model", default=str(DEFAULT_STAGGER_MODEL_DIR),
                         help="model directory of the 'stagger fine-tuned' mode (default: the shipped one)")
     parser.add_argument("--per-phase", type=int, default=256, help="prompts per position-mod-8 group (x8 per mode)")
     parser.add_argument("--quick", action="store_true", help="64 prompts per group: a fast look, wide intervals")
     parser.add_argument("--window", type=int, default=32, help="raw window of every chunked mode")
     parser.add_argument("--sink-tokens", type=int, default=4, help="sink tokens of every chunked mode")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument("--modes", default=None, help="comma-separated subset of: " + ", ".join(MODES)
+                        + " (real models: see demo/real_model.py)")
     parser.add_argument("--out", default="runs/demo", help="directory for demo.json and demo.png")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -147,12 +152,38 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def run_real_model(args: argparse.Namespace) -> int:
+    """The real-model rows: fetch the model (and find its adapted version), serve and scan each mode."""
+    from vllm_chunked_kv.demo import real_model
+    from vllm_chunked_kv.models import cache
+    from vllm_chunked_kv.models.errors import ModelFetchError
+    from vllm_chunked_kv.models.fetcher import fetch
+    from vllm_chunked_kv.models.registry import lookup
+
+    try:
+        model_dir = fetch(args.model)
+    except ModelFetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    adapted = Path(args.adapted_model) if args.adapted_model else cache.model_dir(lookup(args.model).adapted_name)
+    if not cache.is_complete(adapted):
+        print(f"no adapted model at {adapted}: its rows are skipped "
+              f"(vllm-chunked-kv models fetch {args.model} --adapted)", file=sys.stderr)
+        adapted = None
+    if args.out == "runs/demo":
+        args.out = f"runs/demo-{args.model}"
+    args.per_phase = 64 if args.quick else args.per_phase
+    return real_model.run(args, model_dir, adapted)
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from vllm_chunked_kv.tasks.kv_retrieval import is_correct
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not Path(args.model).exists() and "/" not in args.model:
+        return run_real_model(args)
+    modes = [m.strip() for m in (args.modes or ",".join(MODES)).split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         print(f"error: unknown mode(s) {', '.join(unknown)} (allowed: {', '.join(MODES)})", file=sys.stderr)

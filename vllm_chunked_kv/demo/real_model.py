@@ -1,0 +1,128 @@
+"""`vllm-chunked-kv demo --model smollm2-135m`: the real-model rows, through `vllm serve` and the scanner.
+
+For each mode a real `vllm serve` process (bf16, 127.0.0.1, its own process
+group) serves the model, and `vllm-chunked-kv scan` runs its needle probe
+with the shipped prose task (`tasks/data/prose_codes.jsonl`: a person's code
+in everyday prose, asked for after 200 more tokens, so every needle lies
+before the 128-token raw window). The table has the mean accuracy with its
+Wilson interval, the worst and best phase, and the best - worst gap with its
+95% interval, per mode.
+
+Modes: the default backend and every mitigation at chunk 4 (window 128,
+4 sinks), plus `key_norm` pooling. When the adapted model is in the cache
+(`models fetch smollm2-135m --adapted`, or `--adapted-model DIR`), its rows
+follow: the default backend, the settings it was adapted for
+(`chunked_kv_serve.json`) and `none`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from vllm_chunked_kv.tasks.prose_codes import TASK_FILE
+
+CHUNKED = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
+MODES: dict[str, dict | None] = {
+    "default backend": None,
+    "none": {"mitigation": "none"},
+    "boundary": {"mitigation": "boundary"},
+    "overlap": {"mitigation": "overlap"},
+    "stride2": {"mitigation": "stride2", "chunk_size": 2},
+    "stagger": {"mitigation": "stagger"},
+    "key_norm": {"pooling": "key_norm"},
+}
+ADAPTED = "adapted"  # prefix of the adapted model's rows
+NEEDLE_RANGE = "16:216"  # needle positions; every prompt is ~440 tokens, the needle >= 200 from its end
+SERVE_DEFAULTS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048",
+                  "--kv-cache-memory-bytes", str(512 << 20), "--max-num-seqs", "16"]
+
+
+def mode_args(settings: dict | None) -> list[str]:
+    if settings is None:
+        return []
+    return ["--attention-backend", "chunked_kv", "--additional-config", json.dumps({"chunked_kv": settings})]
+
+
+def modes_for(adapted_dir: Path | None) -> list[tuple[str, Path | None, dict | None]]:
+    """(row name, model directory or None for the base model, settings) for every row."""
+    rows = [(name, None, None if base is None else {**CHUNKED, **base}) for name, base in MODES.items()]
+    if adapted_dir is not None:
+        from vllm_chunked_kv.serve_file import SERVE_FILE
+
+        served = json.loads((adapted_dir / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
+        rows += [
+            (f"{ADAPTED}: default backend", adapted_dir, None),
+            (f"{ADAPTED}: as adapted ({served.get('stagger', 'none')} grids)", adapted_dir, served),
+            (f"{ADAPTED}: none", adapted_dir, {**CHUNKED, "mitigation": "none"}),
+        ]
+    return rows
+
+
+def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path) -> dict:
+    """Serve `model` in `settings` and run the scanner's needle probe against it; its summary."""
+    from vllm_chunked_kv.scan import cli as scan_cli
+    from vllm_chunked_kv.scan.session import scan
+    from vllm_chunked_kv.testing.server import VllmServer
+
+    parser = argparse.ArgumentParser()
+    scan_cli.add_arguments(parser)
+    with VllmServer(model, mode_args(settings), defaults=SERVE_DEFAULTS, timeout=600) as server:
+        args = parser.parse_args([
+            "--base-url", server.base_url, "--task", str(TASK_FILE), "--probe", "needle", "--hop", "4",
+            "--per-phase", str(per_phase), "--needle-range", NEEDLE_RANGE, "--max-tokens", "6",
+            "--out", str(out), "--fresh", "--no-progress", "--concurrency", "16", "--timeout", "600",
+        ])
+        return asyncio.run(scan(args))
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| mode | KV rows / 4 tokens | accuracy [95% CI] | worst phase | best phase | gap [95% CI] | n |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        needle = r["needle"]
+        phases = {p["phase"]: p for p in needle["by_phase"]}
+        gap = needle["gap"]
+        worst, best = phases[needle["worst_phase"]], phases[needle["best_phase"]]
+        lo, hi = r["accuracy_ci"]
+        lines.append(
+            f"| {r['mode']} | {r['rows_per_4']} | {100 * needle['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] "
+            f"| {worst['phase']}: {100 * worst['accuracy']:.1f} | {best['phase']}: {100 * best['accuracy']:.1f} "
+            f"| {100 * gap['value']:.1f} [{100 * gap['ci'][0]:.1f}, {100 * gap['ci'][1]:.1f}] | {needle['probes']} |"
+        )
+    return "\n".join(lines)
+
+
+def rows_per_4(settings: dict | None) -> str:
+    from vllm_chunked_kv.demo.cli import rows_per_token
+
+    return f"{4 * rows_per_token(settings):g}"
+
+
+def run(args: argparse.Namespace, model_dir: Path, adapted_dir: Path | None) -> int:
+    from vllm_chunked_kv.scan.stats import wilson
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = None if args.modes is None else {m.strip() for m in args.modes.split(",")}
+    plan = [m for m in modes_for(adapted_dir) if wanted is None or m[0] in wanted]
+    rows, started = [], time.monotonic()
+    for i, (mode, model, settings) in enumerate(plan, 1):
+        print(f"[{i}/{len(plan)}] {mode}: {4 * args.per_phase} needles ... ", end="", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        slug = mode.replace(" ", "_").replace(",", "").replace(":", "").replace("(", "").replace(")", "")
+        summary = scan_mode(model or model_dir, settings, args.per_phase, out / slug)
+        needle = summary["results"]["needle"]
+        correct = sum(p["correct"] for p in needle["by_phase"])
+        lo, hi = wilson(correct, needle["probes"])
+        rows.append({"mode": mode, "model": str(model or model_dir), "settings": settings,
+                     "rows_per_4": rows_per_4(settings), "accuracy_ci": [lo, hi], "needle": needle})
+        print(f"{100 * needle['accuracy']:.1f}% in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        (out / "real_model.json").write_text(json.dumps({"per_phase": args.per_phase, "rows": rows}, indent=2))
+    print(format_table(rows))
+    print(f"\n{4 * args.per_phase} needles per mode, {time.monotonic() - started:.0f}s total; {out / 'real_model.json'}")
+    return 0
