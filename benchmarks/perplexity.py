@@ -39,17 +39,14 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_chunked_kv.demo.cli import MITIGATION_MODES
 from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings
 
 DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
 # Mode -> settings over DEFAULT_SETTINGS (None: vLLM's default backend).
 MODES: dict[str, dict | None] = {
     "default": None,
-    "none": {"mitigation": "none"},
-    "boundary": {"mitigation": "boundary"},
-    "overlap": {"mitigation": "overlap"},
-    "stride2": {"mitigation": "stride2", "chunk_size": 2},
-    "stagger": {"mitigation": "stagger"},
+    **MITIGATION_MODES,
     "key_norm": {"mitigation": "none", "pooling": "key_norm"},
     "served": None,  # replaced by the model directory's chunked_kv_serve.json
 }

@@ -24,18 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_chunked_kv.demo.cli import MITIGATION_MODES
 from vllm_chunked_kv.tasks.prose_codes import TASK_FILE
 
 CHUNKED = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
-MODES: dict[str, dict | None] = {
-    "default backend": None,
-    "none": {"mitigation": "none"},
-    "boundary": {"mitigation": "boundary"},
-    "overlap": {"mitigation": "overlap"},
-    "stride2": {"mitigation": "stride2", "chunk_size": 2},
-    "stagger": {"mitigation": "stagger"},
-    "key_norm": {"pooling": "key_norm"},
-}
+MODES: dict[str, dict | None] = {"default backend": None, **MITIGATION_MODES, "key_norm": {"pooling": "key_norm"}}
 ADAPTED = "adapted"  # prefix of the adapted model's rows
 NEEDLE_RANGE = "16:216"  # needle positions; every prompt is ~440 tokens, the needle >= 200 from its end
 SERVE_DEFAULTS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048",
