@@ -81,6 +81,18 @@ def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int 
 
 
 def _place(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int) -> list[int]:
+    """Non-overlapping start positions: `old` records start by `latest_old`, the others
+    anywhere in the body. Uniform draws, redrawn on overlap; when rows are too
+    crowded for that to succeed, `_place_in_regions` places them constructively."""
+    for _ in range(100):
+        starts = [rng.randint(4, latest_old if o else body - len(r)) for r, o in zip(records, old)]
+        spans = sorted((s, s + len(r)) for s, r in zip(starts, records))
+        if all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
+            return starts
+    return _place_in_regions(rng, records, old, latest_old, body)
+
+
+def _place_in_regions(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int) -> list[int]:
     """Non-overlapping start positions: `old` records end by `latest_old` + their length
     (region A), the others go to region A or after it (region B) at random."""
     region_a = (4, latest_old + max(len(r) for r in records))

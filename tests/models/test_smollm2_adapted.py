@@ -1,0 +1,74 @@
+"""Contract of the shipped SmolLM2 adapter (`models fetch smollm2-135m --adapted`).
+
+- The command prints the adapted model's directory as its last line of
+  standard output; the directory holds `chunked_kv_serve.json` with the
+  settings the adapter was trained for, and differs from the base model only
+  in the attention projections (the merged adapter).
+- vLLM serves it with CHUNKED_KV in those settings (the backend is seen
+  running) and it answers.
+- Under the chunked attention it was adapted for, it retrieves prose codes
+  from before the window that the base model cannot (teacher-forced probe on
+  16 held-out needles, `adapt.probe`): the base model gets none, the adapted
+  one at least a quarter. The served numbers at 1,024 needles are in
+  benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_chunked_kv.cli import main
+from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
+from vllm_chunked_kv.testing.engine_run import generate
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def adapted_dir(smollm2_dir, models_cache):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["models", "fetch", "smollm2-135m", "--adapted", "--cache-dir", str(models_cache)]) == 0
+    from pathlib import Path
+
+    return Path(out.getvalue().strip().splitlines()[-1])
+
+
+def test_adapted_directory(adapted_dir, smollm2_dir):
+    cfg = read_serve_config(adapted_dir)
+    assert (cfg.chunk_size, cfg.window, cfg.sink_tokens, cfg.stagger) == (4, 128, 4, "heads")
+    base, merged = load_file(str(smollm2_dir / "model.safetensors")), load_file(str(adapted_dir / "model.safetensors"))
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert len(changed) == 30 * 4
+    assert all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed)
+
+
+def test_vllm_serves_it_as_adapted(adapted_dir):
+    serve = json.loads((adapted_dir / SERVE_FILE).read_text())
+    engine = {"attention_backend": serve["attention_backend"], "additional_config": serve["additional_config"],
+              "dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
+    result = generate(str(adapted_dir), engine, [[list(range(1000, 1300))]], max_tokens=4)
+    assert len(result["outputs"][0][0]) == 4 and "Using CHUNKED_KV attention backend" in result["log"]
+
+
+def test_adapted_retrieves_what_the_base_cannot(adapted_dir, smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_chunked_kv.adapt import probe
+    from vllm_chunked_kv.demo.attention import chunked_attention
+
+    cfg = read_serve_config(adapted_dir)
+    prompts = probe.needle_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 16)
+    scores = {}
+    for name, path in (("base", smollm2_dir), ("adapted", adapted_dir)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), chunked_attention(model, cfg):
+            scores[name] = probe.accuracy(model, prompts)
+    assert scores["base"] == 0.0 and scores["adapted"] >= 0.25, scores
