@@ -1,6 +1,7 @@
 """A wheel built from this checkout carries what a non-editable install needs:
-the three shipped demo models (weights, tokenizer, configs) and the CUDA
-sources and headers, installed where `ops/cuda_ext.py` looks for them
+the three shipped demo models (weights, tokenizer, configs), the SmolLM2
+adapter that `models fetch --adapted` merges, the prose-codes scanner task,
+and the CUDA sources and headers, installed where `ops/cuda_ext.py` looks for them
 without a checkout (``<prefix>/share/vllm-chunked-kv/csrc``)."""
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ def test_wheel_carries_models_and_cuda_sources(tmp_path):
     for model in ("model", "model_gated", "model_stagger"):
         for name in ("model.safetensors", "config.json", "tokenizer.json"):
             assert f"vllm_chunked_kv/demo/{model}/{name}" in names
+    from vllm_chunked_kv.models.fetcher import ADAPTER_FILES
+
+    for name in ADAPTER_FILES:
+        assert f"vllm_chunked_kv/models/adapters/smollm2-135m/{name}" in names
+    assert "vllm_chunked_kv/tasks/data/prose_codes.jsonl" in names
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
     for name in cuda_ext.SOURCES + cuda_ext.HEADERS:
         assert (cuda_ext.INSTALLED_SOURCES / name).as_posix() in data
