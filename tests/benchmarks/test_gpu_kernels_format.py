@@ -13,22 +13,15 @@ bytes) that says why it was skipped without CUDA. Implementations that cannot ru
 tables.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
-
 
 @pytest.fixture(scope="module")
-def gpu_kernels():
-    spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def gpu_kernels(load_benchmark):
+    return load_benchmark("gpu_kernels")
 
 
 def test_output_format_on_cpu(gpu_kernels, tmp_path, capsys):

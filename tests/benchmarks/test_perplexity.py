@@ -15,26 +15,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "perplexity.py"
 DOCS, TOKENS, BEYOND = 2, 200, 40
 TOLERANCE = 1e-3  # in mean NLL (nats)
 
 
 @pytest.fixture(scope="module")
-def ppl():
-    spec = importlib.util.spec_from_file_location("perplexity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def ppl(load_benchmark):
+    return load_benchmark("perplexity")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import json
 import pytest
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.demo import cli, finetune
+from vllm_chunked_kv.demo import cli
+from vllm_chunked_kv.serve_file import read_serve_config
 
 
 def _args(*argv):
@@ -36,7 +37,7 @@ def test_stagger_fine_tuned_mode_serves_its_model_as_trained():
     assert {cli.mode_model(m, args) for m in cli.MODES if m != "stagger fine-tuned"} == {cli.DEFAULT_MODEL_DIR}
     assert cli.mode_model("stagger fine-tuned", _args("--stagger-model", "/elsewhere")).as_posix() == "/elsewhere"
     served = ChunkedKVConfig.from_additional_config({"chunked_kv": cli.mode_settings("stagger fine-tuned", args)})
-    trained = finetune.read_serve_config(cli.DEFAULT_STAGGER_MODEL_DIR)
+    trained = read_serve_config(cli.DEFAULT_STAGGER_MODEL_DIR)
     for field in ("chunk_size", "hop", "window", "sink_tokens", "pooling", "keep_boundary", "proportional"):
         assert getattr(served, field) == getattr(trained, field), field
     assert [served.origins(layer, 2) for layer in range(2)] == [trained.origins(layer, 2) for layer in range(2)]

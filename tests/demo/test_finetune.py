@@ -20,6 +20,7 @@ import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.demo import finetune
+from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings
 from vllm_chunked_kv.demo.evaluate import DEFAULT_MODEL_DIR
 from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION
 
@@ -36,7 +37,7 @@ def test_compression_adds_stagger_and_round_trips(stagger):
     for field in ("chunk_size", "hop", "window", "sink_tokens", "pooling", "keep_boundary"):
         assert getattr(cfg, field) == getattr(FINETUNE_COMPRESSION, field), field
     assert cfg.stagger == stagger
-    assert ChunkedKVConfig.from_additional_config({"chunked_kv": finetune.serve_settings(cfg)}) == cfg
+    assert ChunkedKVConfig.from_additional_config({"chunked_kv": serve_settings(cfg)}) == cfg
 
 
 def test_heads_stagger_offsets_the_two_kv_heads():
@@ -70,13 +71,13 @@ def test_command_writes_a_servable_staggered_model(tmp_path):
     assert finetune.main(argv) == 0
     LlamaForCausalLM.from_pretrained(out)
     AutoTokenizer.from_pretrained(out)
-    served = finetune.read_serve_config(out)
+    served = read_serve_config(out)
     assert served == finetune.staggered_compression("heads")
     assert served.origins(0, 2) != [0, 0]
     report = (out / "TRAINING.md").read_text()
     for row in ("| chunked mean-4, staggered |", "| chunked mean-4, aligned |", "| start: chunked mean-4, staggered |"):
         assert row in report
-    assert finetune.SERVE_FILE in report and "finetune-stagger" in report
+    assert SERVE_FILE in report and "finetune-stagger" in report
 
 
 def test_origins_that_do_not_fit_the_model_are_refused(tmp_path):

@@ -21,12 +21,12 @@ minutes on 2 cores shared with other jobs (load ~7), over 10 at load ~17.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from vllm_chunked_kv.testing.engine_run import run_json_script
 
 ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=256 << 20,
                        seed=0)
@@ -36,15 +36,8 @@ def run(model: str | Path, engine_kwargs: dict, rounds: list[list[list[int]]], m
         timeout: float = 1800) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps(spec), capture_output=True, text=True,
-                          env=env, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"outputs"')]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
-    result = json.loads(lines[-1])
-    result["log"] = proc.stdout + proc.stderr  # vLLM logs to stdout
-    return result
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return run_json_script([sys.executable, __file__], spec, timeout, env=offline, marker='{"outputs"')
 
 
 def _record_schedules(llm) -> dict[str, list[int]]:

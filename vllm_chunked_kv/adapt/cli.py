@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger": "heads"}
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = AdaptOptions()
     for f in fields(AdaptOptions):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)),
-                            default=getattr(defaults, f.name), help=f"(default: %(default)s)")
+                            default=getattr(defaults, f.name), help="(default: %(default)s)")
 
 
 def parse_settings(text: str):
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     adapters, records = train.train(model, tokenizer, cfg, opts, args.out / "work", log=report.progress_printer(opts.steps))
     adapter_dir = args.out / "adapter"
-    meta = {"base_model": str(args.model_dir), "options": train.options_dict(opts)}
+    meta = {"base_model": str(args.model_dir), "options": asdict(opts)}
     lora.save_adapter(adapters, adapter_dir, meta)
     write_serve_file(adapter_dir, cfg)
     lora.merge_adapter(args.model_dir, adapter_dir, args.out)

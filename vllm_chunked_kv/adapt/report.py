@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import platform
 import re
 import shlex
@@ -58,7 +59,7 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         "",
         f"- served with: `--attention-backend chunked_kv --additional-config '{json.dumps({'chunked_kv': serve_settings(cfg)})}'`"
         " (also in `chunked_kv_serve.json`)",
-        f"- options: `{json.dumps(vars(opts) if hasattr(opts, '__dict__') else opts)}`",
+        f"- options: `{json.dumps(asdict(opts))}`",
         f"- time of this run: {seconds / 60:.1f} min on {torch.get_num_threads()} threads "
         f"({platform.processor() or platform.machine()}), torch {torch.__version__}; steps logged: {len(records)}",
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "

@@ -27,7 +27,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -165,6 +165,3 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     model.eval()
     return adapters, records
 
-
-def options_dict(opts: AdaptOptions) -> dict:
-    return asdict(opts)

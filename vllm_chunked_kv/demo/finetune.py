@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
-from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings, write_serve_file  # noqa: F401 (re-exported)
+from vllm_chunked_kv.serve_file import SERVE_FILE, serve_settings, write_serve_file
 from vllm_chunked_kv.demo.train import (
     CURRICULUM,
     FINETUNE_COMPRESSION,

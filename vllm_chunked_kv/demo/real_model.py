@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.demo.cli import MITIGATION_MODES
+from vllm_chunked_kv.demo.cli import MITIGATION_MODES, rows_per_token
 from vllm_chunked_kv.tasks.prose_codes import TASK_FILE
 
 CHUNKED = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
@@ -91,8 +91,6 @@ def format_table(rows: list[dict]) -> str:
 
 
 def rows_per_4(settings: dict | None) -> str:
-    from vllm_chunked_kv.demo.cli import rows_per_token
-
     return f"{4 * rows_per_token(settings):g}"
 
 

@@ -25,14 +25,20 @@ def generate(model: str, engine_kwargs: dict, rounds: list[list[list[int]]], max
              timeout: float = 600) -> list[list[list[int]]]:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec), capture_output=True,
-                          text=True, env=env, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_json_script([sys.executable, "-m", __name__], spec, timeout)
+
+
+def run_json_script(argv: list[str], spec: dict, timeout: float, env: dict[str, str] | None = None,
+                    marker: str = "{") -> dict:
+    """Run an engine script in an in-process-engine interpreter, `spec` as JSON on stdin;
+    its last stdout line starting with `marker`, parsed, plus `log` (vLLM logs to stdout)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"engine run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(lines[-1])
-    result["log"] = proc.stdout + proc.stderr  # vLLM logs to stdout
+    result["log"] = proc.stdout + proc.stderr
     return result
 
 
