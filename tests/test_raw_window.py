@@ -12,6 +12,11 @@
   from the pool exactly what was predicted;
 - pool sizing counts the sink pages, the window, and one window per step in
   flight, however many tokens a step may hold;
+- with prefix caching on, a step also keeps the tail (the pages a hit needs
+  before its end) of its last aligned boundary, and of every N-th token with
+  retention interval N (every page with None); exactly those prefixes hit
+  for a later request once the first is freed, and pool sizing counts the
+  tails;
 - the spec is in vLLM's registry with its manager.
 """
 
@@ -27,13 +32,21 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm_chunked_kv.raw_window import RawWindowManager, RawWindowSpec
 
 BLOCK = 4
+
+
+def cached_spec(interval: int | None) -> RawWindowSpec:
+    """SPEC with prefix caching on and vLLM's retention interval `interval`."""
+    return RawWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=7,
+                         sink_tokens=6, max_step_tokens=64, prefix_caching=True, retention_interval=interval,
+                         alignment_tokens=BLOCK)
+
 SPEC = RawWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=7,
                      sink_tokens=6, max_step_tokens=64)  # 2 sink pages; the window needs 2 pages
 HASHES = [bytes([i]) for i in range(16)]
 
 
-def make_manager(pool: BlockPool) -> RawWindowManager:
-    return RawWindowManager(SPEC, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+def make_manager(pool: BlockPool, spec: RawWindowSpec = SPEC) -> RawWindowManager:
+    return RawWindowManager(spec, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
                             scheduler_block_size=BLOCK)
 
 
@@ -45,7 +58,7 @@ def request(name: str, hashes: list[bytes]):
 WORKER_TABLES: dict[str, list[int]] = {}  # what vLLM's worker builds from the returned new blocks
 
 
-def step(manager: RawWindowManager, req, start: int, end: int) -> None:
+def step(manager: RawWindowManager, req, start: int, end: int, retention: int | None = None) -> None:
     """One scheduler step computing positions [start, end), as vLLM's allocate_slots does it."""
     manager.remove_skipped_blocks(req.request_id, start)
     free = manager.block_pool.get_num_free_blocks()
@@ -55,7 +68,7 @@ def step(manager: RawWindowManager, req, start: int, end: int) -> None:
     table = WORKER_TABLES.setdefault(req.request_id, [])
     table += [block.block_id for block in new]
     assert len(table) == len(manager.req_to_blocks[req.request_id])  # page i is entry i on the worker too
-    manager.cache_blocks(req, end, replay_boundaries=[])
+    manager.cache_blocks(req, end, retention, replay_boundaries=[end - 1])  # as if the prompt ended here
 
 
 def held(manager: RawWindowManager, name: str) -> list[int | None]:
@@ -138,3 +151,35 @@ def test_sizing_counts_sinks_window_and_steps_in_flight():
                                  sliding_window=7, max_step_tokens=8192)
     assert bigger_steps.max_admission_blocks_per_request(8192, 65536) == one_step
     assert KVCacheSpecRegistry.get_manager_class(SPEC) is RawWindowManager
+
+
+
+
+def _hits(pool: BlockPool, spec: RawWindowSpec, lengths) -> dict[int, int]:
+    return {n: RawWindowManager.find_longest_cache_hit([BlockHash(h) for h in HASHES[: n // BLOCK]], n, [0],
+                                                       pool, spec, False, BLOCK)[1] for n in lengths}
+
+
+def test_prefix_caching_keeps_the_tails_later_requests_hit():
+    # 40 positions in one step, window 7 (a hit needs 2 pages before it), sink pages 0-1.
+    for interval, live, hits in [
+        (0, [0, 1, 7, 8, 9], {36: 36, 32: 8, 16: 8}),  # the tail of the last boundary (36) only; 8: sinks
+        (16, [0, 1, 2, 3, 6, 7, 8, 9], {36: 36, 32: 32, 16: 16, 28: 16}),  # and before every 16th token
+        (None, list(range(10)), {36: 36, 32: 32, 28: 28, 16: 16}),  # every page
+    ]:
+        WORKER_TABLES.clear()
+        pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+        spec = cached_spec(interval)
+        manager = make_manager(pool, spec)
+        step(manager, request("a", HASHES), 0, 40, retention=interval)
+        assert [i for i, page in enumerate(held(manager, "a")) if page is not None] == live, interval
+        manager.remove_skipped_blocks("a", 40)
+        manager.free("a")
+        assert _hits(pool, spec, hits) == hits, interval
+
+
+def test_prefix_caching_sizing_counts_the_tails():
+    base = SPEC.max_admission_blocks_per_request(64, 4096)
+    assert cached_spec(0).max_admission_blocks_per_request(64, 4096) == base + 1  # the alignment: one page
+    assert cached_spec(16).max_admission_blocks_per_request(64, 4096) > base + 4  # a tail per 16 tokens
+    assert cached_spec(None).max_admission_blocks_per_request(64, 4096) == base + 64 // BLOCK - 2  # every row

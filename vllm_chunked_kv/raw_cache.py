@@ -16,6 +16,7 @@ writes and reads the companion's cache itself; the companion never runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +118,10 @@ class RawPagesLayer(torch.nn.Module, AttentionLayerBase):
         return RawPagesBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        cache = vllm_config.cache_config
+        states = layout.states_per_block(self.cfg, cache.block_size)  # raw rows per page: the compressed page's states
         return RawWindowSpec(
-            block_size=layout.states_per_block(self.cfg, vllm_config.cache_config.block_size),
+            block_size=states,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             head_size_v=self.head_size_v,
@@ -126,6 +129,9 @@ class RawPagesLayer(torch.nn.Module, AttentionLayerBase):
             sliding_window=layout.raw_window(self.cfg),
             sink_tokens=self.forever_raw,
             max_step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            prefix_caching=bool(cache.enable_prefix_caching),
+            retention_interval=cache.prefix_cache_retention_interval,
+            alignment_tokens=math.lcm(cache.block_size, states),
         )
 
     def forward(self):  # never called: the attention layer uses the cache

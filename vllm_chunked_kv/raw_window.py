@@ -16,6 +16,15 @@ by `RawWindowManager` (a `SlidingWindowManager`):
   step and reserves ``max_num_batched_tokens`` more tokens per request for it;
   here a request holds at most the sink pages, the window before the step,
   and one window per step in flight.
+- **prefix-cache tails**: with prefix caching on, a later request can only
+  hit a prefix whose last ``sliding_window - 1`` raw rows are cached (the
+  "tail" before the hit point). A step keeps the pages of the tail before
+  the last aligned boundary it reaches (a prompt's replay boundary: resends
+  and chat turns hit there) and, with vLLM's
+  ``--prefix-cache-retention-interval N``, the tail before every N-th token
+  (``None``: every row). These pages are written in full, cached, and freed
+  to the pool as evictable pages once they leave the window
+  (docs/prefix-caching.md).
 
 Both are registered with vLLM's `KVCacheSpecRegistry` when this module is
 imported (the engine process imports it when it unpickles a spec).
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
@@ -40,17 +50,35 @@ class RawWindowSpec(SlidingWindowSpec):
     """Leading positions whose pages are never dropped."""
     max_step_tokens: int
     """Most tokens one step computes (vLLM's max_num_batched_tokens)."""
+    prefix_caching: bool = False
+    """Keep the raw tails later requests need to hit a prefix (vLLM's prefix caching is on)."""
+    retention_interval: int | None = 0
+    """vLLM's prefix_cache_retention_interval: 0 keeps only the tail at the end
+    of each step, N also one every N tokens, None every row."""
+    alignment_tokens: int = 1
+    """vLLM's prefix-hit granularity over all cache groups (for sizing only)."""
 
     @property
     def sink_blocks(self) -> int:
         return cdiv(self.sink_tokens, self.block_size)
 
+    def tail_rows_per_step(self) -> int:
+        """Raw rows of one step kept for prefix hits beyond its window (see the module docstring)."""
+        if not self.prefix_caching:
+            return 0
+        if self.retention_interval is None:
+            return self.max_step_tokens
+        tail = self.sliding_window - 1 + self.block_size
+        periodic = cdiv(self.max_step_tokens, self.retention_interval) if self.retention_interval else 0
+        return self.alignment_tokens + periodic * tail
+
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """Sink pages, the window's pages before the oldest step in flight,
-        and per step in flight the pages of its own window."""
+        and per step in flight the pages of its own window and its prefix-cache tails."""
         window = min(self.sliding_window - 1, max_model_len)
         steps = max(1, cdiv(max_in_flight_tokens, self.max_step_tokens))
-        per_step = cdiv(min(self.max_step_tokens, window), self.block_size) + 1
+        step_rows = min(self.max_step_tokens, window + self.tail_rows_per_step(), max_model_len)
+        per_step = cdiv(step_rows, self.block_size) + 1
         held = self.sink_blocks + cdiv(window, self.block_size) + 1 + steps * per_step
         return min(held, cdiv(max_model_len, self.block_size) + 1)
 
@@ -67,6 +95,31 @@ class RawWindowManager(SlidingWindowManager):
     def _dead_until(self, num_tokens_main_model: int) -> int:
         """Pages wholly before the window at the end of a step are never stored."""
         return max(0, num_tokens_main_model - self.sliding_window + 1) // self.block_size
+
+    def _live(self, lo: int, hi: int, num_tokens_main_model: int) -> list[bool]:
+        """Which of the pages [lo, hi) of a step ending at `num_tokens_main_model` get a page:
+        the sinks, the window at the end of the step and the prefix-cache tails."""
+        spec: RawWindowSpec = self.kv_cache_spec
+        keep_from = self._dead_until(num_tokens_main_model)
+        interval = spec.retention_interval if spec.prefix_caching else 0
+        if spec.prefix_caching:
+            if interval is None:
+                return [True] * (hi - lo)
+            align = self.cache_hit_alignment_tokens
+            replay = (num_tokens_main_model - 1) // align * align // self.block_size  # page of the last boundary
+            keep_from = min(keep_from, max(0, replay - self._tail_blocks()))
+        return [p < self.sink_blocks or p >= keep_from or self._in_tail(p, interval) for p in range(lo, hi)]
+
+    def _tail_blocks(self) -> int:
+        """Cached pages a prefix hit needs right before its (page-aligned) end, as vLLM counts them."""
+        return self._contiguous_blocks_for_hit(self.sliding_window, self.block_size, False)
+
+    def _in_tail(self, page: int, interval: int) -> bool:
+        """Whether `page` lies in the tail before a multiple of `interval` tokens (0: never)."""
+        if not interval:
+            return False
+        boundary = cdiv((page + 1) * self.block_size, interval) * interval  # first boundary at or after the page
+        return page >= boundary // self.block_size - self._tail_blocks()
 
     # ------------------------------------------------------------ dropping
 
@@ -114,22 +167,29 @@ class RawWindowManager(SlidingWindowManager):
 
     def _num_dead(self, held: int, num_tokens: int, num_tokens_main_model: int) -> int:
         """New pages of a step that get the null block (see `allocate_new_blocks`)."""
-        hi = min(self._dead_until(num_tokens_main_model), cdiv(num_tokens, self.block_size))
-        return max(0, hi - max(held, self.sink_blocks))
+        return self._live(held, cdiv(num_tokens, self.block_size), num_tokens_main_model).count(False)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks[request_id]
         held = len(req_blocks)
-        dead = self._num_dead(held, num_tokens, num_tokens_main_model)
-        if not dead:
+        live = self._live(held, cdiv(num_tokens, self.block_size), num_tokens_main_model)
+        if all(live):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
-        first_dead = max(held, self.sink_blocks)
-        new = super().allocate_new_blocks(request_id, first_dead * self.block_size, num_tokens_main_model)
-        nulls = [self._null_block] * dead
-        req_blocks.extend(nulls)
         # The worker appends the returned ids to its block table: nulls included, in order.
-        return new + nulls + super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        new: list[KVCacheBlock] = []
+        page = held
+        for is_live, run in groupby(live):
+            count = len(list(run))
+            if is_live:
+                end = min((page + count) * self.block_size, num_tokens)
+                new += super().allocate_new_blocks(request_id, end, num_tokens_main_model)
+            else:
+                nulls = [self._null_block] * count
+                req_blocks.extend(nulls)
+                new += nulls
+            page += count
+        return new
 
     # -------------------------------------------------------- prefix cache
 

@@ -12,7 +12,7 @@ a later round can hit the prefix cache an earlier one filled):
 - `top2`: per generated token, the two best (token id, logprob) pairs;
 
 and once: `capacity_tokens` (vLLM's own KV capacity figure), `num_gpu_blocks`,
-`block_size`, `seconds` and `round_seconds` (wall time of the rounds) and `log` (vLLM's output).
+`block_size`, `alignment_tokens` (vLLM's prefix-hit granularity), `seconds` and `round_seconds` (wall time of the rounds) and `log` (vLLM's output).
 
 `timeout` only guards against a hang: a run of the SmolLM2 test took 1.5-2
 minutes on 2 cores shared with other jobs (load ~7), over 10 at load ~17.
@@ -79,7 +79,8 @@ def _main() -> None:
         result["round_seconds"].append(round(time.monotonic() - round_start, 2))
     cache_config = llm.llm_engine.vllm_config.cache_config
     result.update(capacity_tokens=capacity_tokens(cache_config), num_gpu_blocks=cache_config.num_gpu_blocks,
-                  block_size=cache_config.block_size, seconds=round(time.monotonic() - start, 2))
+                  block_size=cache_config.block_size, alignment_tokens=cache_config.cache_hit_alignment_tokens,
+                  seconds=round(time.monotonic() - start, 2))
     print(json.dumps({"outputs": result.pop("outputs", []), **result}), flush=True)
 
 

@@ -4,7 +4,8 @@ every implementation of the compressed-layout ops (PyTorch, Triton, CUDA).
 `Pager` plays vLLM's part: each request gets compressed pages (one state per
 `tokens_per_state` tokens) and raw pages; a raw page that leaves the sliding
 window within its own step is never allocated (it maps to a shared NaN
-page) and raw rows before the window hold NaN (row by row, stricter than
+page; with `cache_all`, prefix caching's mode, every row gets its page and
+every row a step computes must be written to it) and raw rows before the window hold NaN (row by row, stricter than
 vLLM's whole pages), so reading any of them, even masked, fails; compressed
 pages start zero-filled, as vLLM's do.
 
@@ -54,8 +55,8 @@ class Pager:
     """Pages of several requests, allocated and dropped the way vLLM's managers do."""
 
     def __init__(self, cfg: ChunkedKVConfig, origins: list[int], block_size: int, num_reqs: int, *,
-                 num_kv_heads: int, row: int, dtype=torch.float32, device="cpu"):
-        self.cfg, self.origins, self.block_size = cfg, origins, block_size
+                 num_kv_heads: int, row: int, dtype=torch.float32, device="cpu", cache_all: bool = False):
+        self.cfg, self.origins, self.block_size, self.cache_all = cfg, origins, block_size, cache_all
         self.per_block = layout.states_per_block(cfg, block_size)
         self.raw_block_size = self.per_block  # equal pages, as the backend declares them
         self.keep = layout.forever_raw(cfg, origins)
@@ -74,7 +75,7 @@ class Pager:
         sink_pages = -(-self.keep // self.raw_block_size)
         dead_until = max(0, seq_len - layout.raw_window(self.cfg) + 1) // self.raw_block_size
         while len(raw) * self.raw_block_size < seq_len:
-            dead = sink_pages <= len(raw) < dead_until
+            dead = not self.cache_all and sink_pages <= len(raw) < dead_until
             raw.append(0 if dead else self.free_raw.pop(0))
 
     def drop_outside_window(self, r: int, computed: int) -> None:
@@ -106,7 +107,7 @@ class Pager:
     def check_pages_complete(self, r: int, start: int, end: int) -> None:
         """Every existing raw page holds all its computed rows that were not
         dropped: prefix caching may hand the page to another request."""
-        first_kept = max(0, start - layout.raw_window(self.cfg) + 1)
+        first_kept = start if self.cache_all else max(0, start - layout.raw_window(self.cfg) + 1)
         raw = self.tables[r][1]
         for j in [*range(self.keep), *range(first_kept, end)][:end]:
             page = raw[j // self.raw_block_size]
@@ -124,7 +125,8 @@ class Pager:
 
 def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: str = "torch", num_kv_heads: int = 2,
                  group: int = 2, head_size: int = 8, head_size_v: int | None = None, decode_only: bool = False,
-                 dtype=torch.float32, device="cpu", tol: float = 1e-5, attend_kwargs: dict | None = None) -> int:
+                 dtype=torch.float32, device="cpu", tol: float = 1e-5, attend_kwargs: dict | None = None,
+                 cache_all: bool = False) -> int:
     """Run one random schedule through the ops of ``impl`` (`dispatch.ops`)
     and check every step against the reference; returns the number of steps.
     Other implementations than PyTorch's also write each step's chunks
@@ -137,7 +139,7 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     gen = torch.Generator().manual_seed(seed)
     block_size = cfg.hop * rng.choice([2, 4, 16])  # raw pages shorter and longer than the window
     pager = Pager(cfg, origins, block_size, len(lengths), num_kv_heads=num_kv_heads, row=head_size + head_size_v,
-                  dtype=dtype, device=device)
+                  dtype=dtype, device=device, cache_all=cache_all)
     q = [torch.randn(n, num_kv_heads * group, head_size, generator=gen).to(dtype) for n in lengths]
     k = [(torch.randn(n, num_kv_heads, head_size, generator=gen) * 2).to(dtype) for n in lengths]
     v = [torch.randn(n, num_kv_heads, head_size_v, generator=gen).to(dtype) for n in lengths]

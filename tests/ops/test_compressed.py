@@ -5,7 +5,9 @@ Through `schedule.run_schedule` (a simulated vLLM pager; reading a dropped
 raw row, even masked, fails): sequences fed in random step splits (prefill,
 chunked prefill, single-token decodes, mixed batches) give, at every step,
 the outputs of `reference_chunked_attention` over the whole sequence within
-1e-5, for every mitigation, pooling mode, sinks and staggered grids.
+1e-5, for every mitigation, pooling mode, sinks and staggered grids; also
+with every row given its page (prefix caching on), where every row a step
+computes must land in its page (a later request may hit it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def test_paged_steps_equal_reference(name, seed):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     lengths = [random.Random(seed).randint(1, 60) for _ in range(3)] + [4 * cfg.window + 9]
     run_schedule(cfg, lengths, seed)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_row_paged_for_prefix_caching(name):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    run_schedule(cfg, [63, 100, 4 * cfg.window + 9], seed=11, cache_all=True)
 
 
 def test_one_token_steps_only():

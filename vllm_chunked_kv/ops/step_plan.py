@@ -3,8 +3,9 @@
 Built once per step (and per set of grid origins) from vLLM's metadata of
 both cache groups, then reused by every layer:
 
-- `raw_writes`: the step's tokens whose raw rows outlive the step (the raw
-  pages of the others were never allocated: `raw_window.py`);
+- `raw_writes`: the step's tokens whose raw page exists (the others map to
+  vLLM's null page: rows leaving the window within their step and not
+  kept for prefix caching are never stored, `raw_window.py`);
 - `ChunkWrites`: the chunks whose last token this step computes, with the
   rows they pool from (stored raw rows before the step, the step's own K/V
   after) and the compressed slots they are written to (`layout.py`);
@@ -28,6 +29,8 @@ import torch
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 
+NULL_PAGE = 0  # vLLM's null block: the first block of its pool, what never-stored pages map to
+
 
 @dataclass
 class PagedBatch:
@@ -45,13 +48,6 @@ class PagedBatch:
     def first_position(self, r: int) -> int:
         """Position of request r's first token in this step."""
         return self.seq_lens[r] - (self.query_start[r + 1] - self.query_start[r])
-
-    def stored_from(self, r: int) -> int:
-        """First position after the sinks whose raw page exists once the step is
-        done: pages wholly before the window at the end of the step are never
-        allocated (`RawWindowManager`)."""
-        dead_until = max(0, self.seq_lens[r] - self.raw_window + 1) // self.raw_block_size
-        return dead_until * self.raw_block_size
 
 
 @dataclass
@@ -117,18 +113,18 @@ def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, b
 
 
 def _raw_writes(batch: PagedBatch) -> torch.Tensor:
-    """Tokens whose raw page exists: the sink pages, the rest of a page begun
-    before the step, and the pages of the window at the end of the step. Every
+    """Tokens whose raw page exists, i.e. is not vLLM's null page (`NULL_PAGE`):
+    the sinks, the window at the end of the step, the prefix-cache tails, the
+    rest of a page begun before the step (`RawWindowManager` decides). Every
     existing page is written in full, so prefix caching may share it."""
-    sink_end = -(-batch.raw_sink_tokens // batch.raw_block_size) * batch.raw_block_size
+    device = batch.block_table.device
     kept = []
     for r, seq_len in enumerate(batch.seq_lens):
         first = batch.first_position(r)
-        begun_end = -(-first // batch.raw_block_size) * batch.raw_block_size
-        positions = set(range(first, min(max(sink_end, begun_end), seq_len)))
-        positions.update(range(max(first, batch.stored_from(r)), seq_len))
-        kept += [batch.query_start[r] + j - first for j in sorted(positions)]
-    return torch.tensor(kept, dtype=torch.long, device=batch.block_table.device)
+        positions = torch.arange(first, seq_len, device=device)  # [q] this step's positions
+        pages = batch.raw_block_table[r, positions // batch.raw_block_size]  # [q]
+        kept.append(batch.query_start[r] + (positions - first)[pages != NULL_PAGE])
+    return torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device)
 
 
 def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q_lens: list[int],
