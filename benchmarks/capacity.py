@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, help="default: each backend's own choice")
     parser.add_argument("--chunk-size", type=int, default=4)
     parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--retention", type=int, default=0,
+                        help="vLLM's --prefix-cache-retention-interval for the runs with prefix caching on")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -83,13 +85,14 @@ def main() -> None:
             for caching in (False, True):
                 tokens = capacity_tokens(model, {**engine, "attention_backend": "chunked_kv",
                                                  "enable_prefix_caching": caching,
+                                                 "prefix_cache_retention_interval": args.retention if caching else 0,
                                                  "additional_config": {"chunked_kv": settings}})
                 ratio, ideal = tokens / default, theoretical_ratio(cfg, args.max_model_len, num_kv_heads)
                 rows.append(dict(backend=name, prefix_caching="on" if caching else "off", tokens=tokens, ratio=ratio,
                                  theoretical=ideal, fraction=ratio / ideal))
 
     print(f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} max_model_len={args.max_model_len} "
-          f"max_num_batched_tokens={args.max_num_batched_tokens} block_size={args.block_size} "
+          f"max_num_batched_tokens={args.max_num_batched_tokens} block_size={args.block_size} retention={args.retention} "
           f"chunk_size={args.chunk_size} window={args.window}")
     print(f"{'backend':<10} {'prefix cache':>12} {'KV tokens':>12} {'ratio':>7} {'theory':>7} {'of theory':>9}")
     for row in rows:

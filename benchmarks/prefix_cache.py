@@ -14,8 +14,9 @@ interpreter) with prefix caching on:
 
     python benchmarks/prefix_cache.py --json results/prefix_cache.json
 
-`--retention N` passes vLLM's `--prefix-cache-retention-interval` (default
-0: raw tails kept only at the end of each prompt; see docs/prefix-caching.md).
+`--retention N` passes vLLM's `--prefix-cache-retention-interval` to the
+chunked engines (default 0: raw tails kept only at the end of each step; a
+multiple of vLLM's scheduler block size; see docs/prefix-caching.md).
 """
 
 from __future__ import annotations
@@ -84,12 +85,12 @@ def main() -> None:
     chat_rounds = [conversation[: (t + 1) * args.turn_tokens] for t in range(args.turns)]
     engine = dict(enforce_eager=True, dtype=args.dtype, max_model_len=args.turns * args.turn_tokens + 16,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
-                  prefix_cache_retention_interval=args.retention, kv_cache_memory_bytes=1 << 30, seed=0)
-    backends = {
+                  kv_cache_memory_bytes=1 << 30, seed=0)
+    chunked = {"attention_backend": "chunked_kv", "prefix_cache_retention_interval": args.retention}
+    backends = {  # vLLM refuses a retention interval for a model without sliding-window groups
         "default": {},
-        "chunked_kv": {"attention_backend": "chunked_kv", "additional_config": {"chunked_kv": settings}},
-        "chunked_kv, no sinks": {"attention_backend": "chunked_kv",
-                                 "additional_config": {"chunked_kv": {**settings, "sink_tokens": 0}}},
+        "chunked_kv": {**chunked, "additional_config": {"chunked_kv": settings}},
+        "chunked_kv, no sinks": {**chunked, "additional_config": {"chunked_kv": {**settings, "sink_tokens": 0}}},
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_bench_model(Path(tmp) / "bench-llama")
