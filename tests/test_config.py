@@ -7,7 +7,8 @@
   ``chunked_kv.<field>:`` (or ``chunked_kv:`` for an unknown key) and names
   what is allowed.
 - from_additional_config reads the "chunked_kv" key; None, {} and a missing
-  key give the defaults.
+  key give the defaults; a chunked_kv field name at the top level (the
+  wrapper forgotten) is an error naming the wrapper.
 - Derived values (tokens_per_state, rows_per_chunk, normalised_gains,
   origins, describe) follow from the resolved fields.
 """
@@ -143,6 +144,8 @@ def test_from_additional_config_reads_the_section():
         ({"chunked_kv": {"chunk_size": 0}}, "chunked_kv.chunk_size: "),
         ({"chunked_kv": [1, 2]}, "chunked_kv: must be a JSON object"),
         ({"chunked_kv": {"hop": 5}}, "chunked_kv.hop: "),
+        ({"chunk_size": 5}, "chunked_kv: 'chunk_size' is at the top level of --additional-config; it belongs under"),
+        ({"window": 64, "chunked_kv": {}}, "chunked_kv: 'window' is at the top level"),
     ],
 )
 def test_from_additional_config_errors(additional_config, prefix):

@@ -3,7 +3,10 @@ exit, no traceback, and one `error:` line that says what is unsupported and
 why. Covered: a block size that cannot hold whole chunks, a window smaller
 than a chunk, a model with its own sliding window, KV connectors, the
 hybrid KV cache manager turned off, a quantised (fp8) KV cache, and
-speculative decoding."""
+speculative decoding, and settings outside their "chunked_kv" wrapper
+(which would otherwise run the defaults silently). A server selecting
+chunked_kv with no "chunked_kv" section logs the defaults it runs with,
+once."""
 
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ CASES = {
         "speculative decoding (--speculative-config) is not supported",
     ),
     "model sliding window": ([], "the model uses its own sliding window (32 tokens)"),
+    "settings without their wrapper": (
+        ["--additional-config", json.dumps({"chunk_size": 5})],
+        "'chunk_size' is at the top level of --additional-config; it belongs under \"chunked_kv\"",
+    ),
 }
 
 
@@ -71,3 +78,9 @@ def test_unsupported_combination_is_one_line(case, failures):
     error_lines = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1, output[-3000:]
     assert CASES[case][1] in error_lines[0]
+
+
+@pytest.mark.parametrize("case", [case for case, (args, _) in CASES.items() if "--additional-config" not in args])
+def test_defaults_are_logged_once_without_settings(case, failures):
+    output = failures[case].stdout + failures[case].stderr
+    assert output.count('no "chunked_kv" section in --additional-config; running with the defaults') == 1, output[-3000:]

@@ -200,6 +200,12 @@ class ChunkedKVConfig(_ChunkedKVFields):
         if not isinstance(additional_config, Mapping):
             raise ChunkedKVConfigError(None, f"additional_config must be a JSON object (got {additional_config!r})")
         section = additional_config.get(ADDITIONAL_CONFIG_KEY)
+        stray = [key for key in additional_config if key in cls.model_fields]
+        if stray:  # {"chunk_size": 5} instead of {"chunked_kv": {"chunk_size": 5}}: never run the defaults silently
+            raise ChunkedKVConfigError(
+                None, f"{stray[0]!r} is at the top level of --additional-config; it belongs under "
+                f'"{ADDITIONAL_CONFIG_KEY}": {{"{ADDITIONAL_CONFIG_KEY}": {{"{stray[0]}": ...}}}}'
+            )
         if section is None:
             return cls()
         if not isinstance(section, Mapping):

@@ -77,6 +77,26 @@ def _selected(vllm_config) -> bool:
     return getattr(backend, "name", None) == BACKEND_NAME
 
 
+_defaults_logged = False
+
+
+def _log_defaults_once(vllm_config, cfg) -> None:
+    """Say which settings run when chunked_kv is selected with no "chunked_kv" section at all."""
+    global _defaults_logged
+    from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY
+
+    if _defaults_logged or ADDITIONAL_CONFIG_KEY in (vllm_config.additional_config or {}):
+        return
+    _defaults_logged = True
+    import json
+    import logging
+
+    logging.getLogger("vllm.chunked_kv.config").info(  # under "vllm": vLLM's handler prints it
+        "chunked_kv: no \"%s\" section in --additional-config; running with the defaults %s",
+        ADDITIONAL_CONFIG_KEY, json.dumps({k: v for k, v in cfg.model_dump().items() if v is not None}),
+    )
+
+
 def _validate_config_at_startup() -> None:
     """Check our settings whenever vLLM finishes a VllmConfig (every process)."""
     from vllm.platforms import current_platform
@@ -93,6 +113,7 @@ def _validate_config_at_startup() -> None:
             from vllm_chunked_kv.startup_checks import check_engine_support
 
             cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
+            _log_defaults_once(vllm_config, cfg)
             check_engine_support(cfg, vllm_config)
 
     check_and_update_config._chunked_kv_validates = True  # type: ignore[attr-defined]

@@ -16,7 +16,8 @@ requests get HTTP 500), `fail_after` (every completion after N successful
 ones gets HTTP 500, until reset), `tokenize=False` (no /tokenize route),
 `feedback=False` (no feedback route); `delay_s` slows each completion so
 that the tests can see how many requests overlap (`max_in_flight`);
-`config_hop` adds `GET /v1/chunked_kv/config` reporting that hop.
+`config_hop` adds `GET /v1/chunked_kv/config` reporting that hop, and
+`config` the `chunked_kv` block it reports (window, chunk_size, sink_tokens).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class FakeEndpoint:
         fail_after: int | None = None,
         delay_s: float = 0.0,
         config_hop: int | None = None,
+        config: dict | None = None,
     ):
         self.accuracy = accuracy
         self.seed = seed
@@ -58,6 +60,7 @@ class FakeEndpoint:
         self.fail_first = fail_first
         self.fail_after = fail_after
         self.config_hop = config_hop  # GET /v1/chunked_kv/config answers {"phase_hop": config_hop}
+        self.config = config  # ... and {"chunked_kv": config}
         self.delay_s = delay_s  # per completion, to make concurrent requests overlap
         self.in_flight = 0
         self.max_in_flight = 0
@@ -162,8 +165,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.fake.model, "object": "model"}]})
-        elif self.path == "/v1/chunked_kv/config" and self.fake.config_hop is not None:
-            self._send(200, {"phase_hop": self.fake.config_hop})
+        elif self.path == "/v1/chunked_kv/config" and (self.fake.config_hop or self.fake.config) is not None:
+            self._send(200, {"phase_hop": self.fake.config_hop, "chunked_kv": self.fake.config})
         else:
             self._send(404, {"detail": "Not Found"})
 

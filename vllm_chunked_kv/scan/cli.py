@@ -24,12 +24,18 @@ stderr), 130 interrupted; answers already received are kept for a re-run.
 """
 
 
-def _range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
-    return lo, hi
+class _RangeAction(argparse.Action):
+    """`--needle-range LO:HI`, `--needle-range LO HI` or `--needle-range "LO HI"`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        text = " ".join(values).replace(":", " ").replace(",", " ")
+        try:
+            lo, hi = (int(x) for x in text.split())
+        except ValueError:
+            parser.error(f"{option_string}: expected LO:HI or LO HI (two whole numbers), got {' '.join(values)!r}")
+        if not 0 <= lo < hi:
+            parser.error(f"{option_string}: expected 0 <= LO < HI, got {lo} {hi}")
+        setattr(namespace, self.dest, (lo, hi))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompts", type=int, default=128, help="offset probe: prompts per offset (default: %(default)s)")
     add("--per-phase", type=int, default=256, help="needle probe: prompts per phase, a multiple of hop (default: %(default)s)")
     add("--target-position", type=int, help="offset probe: target position at offset 0 (default: mid-haystack for kv)")
-    add("--needle-range", type=_range, metavar="LO:HI", help="needle probe: target positions (default for kv: 8 to haystack-40, past sinks, before a raw window)")
+    add("--needle-range", action=_RangeAction, nargs="+", metavar="LO:HI", help="needle probe: target positions, 'LO:HI' or 'LO HI' (default: 16 hops past the sinks and the task's own text; prompts are padded so every target is older than the raw window)")
+    add("--window", type=int, help="raw window in tokens to place targets beyond (default: the server's, from /v1/chunked_kv/config, else 512; 0 places them anywhere)")
     add("--kv-haystack-len", type=int, default=240, help="kv task: haystack words (default: %(default)s)")
     add("--kv-records", type=int, default=48, help="kv task: records in the haystack (default: %(default)s)")
     add("--max-tokens", type=int, help="tokens to generate (default: 1 for kv, 16 for JSONL tasks)")

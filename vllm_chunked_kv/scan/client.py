@@ -175,14 +175,14 @@ class EndpointClient:
         except (KeyError, IndexError, TypeError):
             raise ScanError(f"{self.base_url}/v1/completions: unexpected answer {str(answer)[:100]}") from None
 
-    async def server_hop(self) -> int | None:
-        """`phase_hop` from this project's `GET /v1/chunked_kv/config`, if the server has the route."""
+    async def server_config(self) -> dict | None:
+        """This project's `GET /v1/chunked_kv/config` answer, or None when the server has no such route."""
         try:
             response = await self._http.get("/v1/chunked_kv/config")
-            hop = response.json().get("phase_hop") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            body = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
             return None
-        return hop if isinstance(hop, int) and hop >= 1 else None
+        return body if isinstance(body, dict) else None
 
     async def post_feedback(self, request_id: str, correct: bool) -> None:
         """POST the outcome; raises HTTPFailure (404 with detail 'Not Found' = no such route)."""

@@ -39,6 +39,7 @@ class Record:
     request_id: str
     attempts: int
     latency_s: float
+    distance: int | None = None  # units after the target's last unit (scan/placement.py); None in old runs
 
 
 FIELDS = [f.name for f in fields(Record)]

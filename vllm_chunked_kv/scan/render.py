@@ -47,6 +47,12 @@ class Rendered:
     prompt: str | list[int]
     target_position: int  # in units, 0 = first unit sent
     length: int  # prompt length in units
+    target_end: int  # units up to the target's end (= length without a target)
+
+    @property
+    def distance(self) -> int:
+        """Units after the target's last unit (scan/placement.py)."""
+        return self.length - self.target_end
 
 
 class Renderer:
@@ -93,7 +99,7 @@ class Renderer:
 
     async def render(self, segments: list[Segment] | tuple[Segment, ...]) -> Rendered:
         parts: list = [await self.special_prefix()] if self.client else []
-        target_position = None
+        target_position = target_end = None
         for segment in segments:
             if isinstance(segment, Fill):
                 parts.append(await self._fill(segment))
@@ -101,6 +107,10 @@ class Renderer:
             if isinstance(segment, Target):
                 target_position = sum(len(p) for p in parts)
             parts.append(await self._tokens(segment.text) if self.client else segment.text)
+            if isinstance(segment, Target):
+                target_end = sum(len(p) for p in parts)
         length = sum(len(p) for p in parts)
         prompt = [t for p in parts for t in p] if self.client else "".join(parts)
-        return Rendered(prompt, length if target_position is None else target_position, length)
+        if target_position is None:
+            target_position = target_end = length
+        return Rendered(prompt, target_position, length, target_end)

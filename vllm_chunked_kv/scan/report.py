@@ -7,6 +7,10 @@ Per probe:
   (`position mod hop`): the headline gap, chi-square test and worst phase;
 - `needle`: accuracy per phase of the target's position, with the mean and
   standard deviation of the positions in each group (they should match).
+
+With the server's geometry (`placement.py`), each probe also reports
+accuracy outside and inside the raw window separately (`window`): only the
+targets outside are read through compressed rows.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import statistics
 from collections import Counter, defaultdict
 
 from vllm_chunked_kv.scan.period import dominant_period
+from vllm_chunked_kv.scan.placement import Geometry
 from vllm_chunked_kv.scan.records import Record
-from vllm_chunked_kv.scan.stats import Comparison, compare_groups
+from vllm_chunked_kv.scan.stats import Comparison, compare_groups, wilson
 
 
 def _by(records: list[Record], key) -> dict[int, list[Record]]:
@@ -91,12 +96,29 @@ def summarize_needle(records: list[Record], seed: int = 0) -> dict:
     }
 
 
-def summarize(records: list[Record], *, seed: int = 0) -> dict:
+def _share(records: list[Record]) -> dict:
+    correct = sum(r.correct for r in records)
+    n = len(records)
+    return {"n": n, "correct": correct, "accuracy": correct / n if n else None, "ci": list(wilson(correct, n)) if n else None}
+
+
+def summarize_window(records: list[Record], geometry: Geometry) -> dict:
+    """Accuracy of the targets the server reads compressed (outside) and exactly (inside)."""
+    known = [r for r in records if r.distance is not None]
+    outside = [r for r in known if geometry.outside(r.position, r.distance)]
+    inside = [r for r in known if not geometry.outside(r.position, r.distance)]
+    return {**geometry.to_dict(), "outside": _share(outside), "inside": _share(inside),
+            "distance_min": min((r.distance for r in known), default=None)}
+
+
+def summarize(records: list[Record], *, seed: int = 0, geometry: Geometry | None = None) -> dict:
     out = {}
     for kind, summarize_kind in (("offset", summarize_offset), ("needle", summarize_needle)):
         mine = [r for r in records if r.probe == kind]
         if mine:
             out[kind] = summarize_kind(mine, seed)
+            if geometry is not None:
+                out[kind]["window"] = summarize_window(mine, geometry)
     return out
 
 
@@ -133,4 +155,24 @@ def format_text(summary: dict, hop: int) -> str:
             f"worst phase {s['worst_phase']}, best phase {s['best_phase']}; "
             f"chi-square p={s['chi2']['p_value']:.3g}"
         )
+        if "window" in s:
+            lines += _window_lines(s["window"])
     return "\n".join(lines)
+
+
+def _window_lines(w: dict) -> list[str]:
+    def share(part: dict) -> str:
+        if not part["n"]:
+            return "n=0"
+        return f"{_pct(part['accuracy']).strip()}% [{_pct(part['ci'][0]).strip()}, {_pct(part['ci'][1]).strip()}] n={part['n']}"
+
+    lines = [
+        f"  outside the raw window (>= {w['min_distance']} units from the end, window {w['window']} "
+        f"from {w['source']}): {share(w['outside'])}; inside: {share(w['inside'])}"
+    ]
+    if w["inside"]["n"]:
+        lines.append(
+            f"warning: {w['inside']['n']} targets fall inside the raw window or the sinks, where nothing is "
+            "compressed: their accuracy says nothing about compression (see --needle-range, --window)"
+        )
+    return lines

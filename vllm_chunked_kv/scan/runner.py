@@ -91,6 +91,7 @@ async def _answer(
         request_id=completion.request_id,
         attempts=completion.attempts,
         latency_s=round(completion.latency_s, 4),
+        distance=rendered.distance,
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vllm_chunked_kv.scan.client import EndpointClient
 from vllm_chunked_kv.scan.errors import ScanError
+from vllm_chunked_kv.scan.placement import Geometry, geometry_from
 from vllm_chunked_kv.scan.probes import ProbePlan, build_probes
 from vllm_chunked_kv.scan.progress import Progress
 from vllm_chunked_kv.scan.records import RecordStore
@@ -39,12 +40,21 @@ async def _units(client: EndpointClient, model: str, requested: str) -> str:
     return "chars"
 
 
-async def _hop(client: EndpointClient, requested: int | None) -> tuple[int, str]:
-    """--hop, else the hop the server reports (this project's config route), else 4."""
-    if requested is not None:
-        return requested, "--hop"
-    served = await client.server_hop()
-    return (served, "server") if served else (DEFAULT_HOP, "default")
+async def _server_layout(client: EndpointClient, args: argparse.Namespace) -> tuple[int, str, Geometry, Geometry]:
+    """The hop (--hop, else the server's, else 4); the geometry to place targets by (--window
+    overrides the server's) and the one to judge them by (the server's whenever it reports one)."""
+    config = await client.server_config() or {}
+    served = config.get("phase_hop")
+    if args.hop is not None:
+        hop, source = args.hop, "--hop"
+    elif isinstance(served, int) and served >= 1:
+        hop, source = served, "server"
+    else:
+        hop, source = DEFAULT_HOP, "default"
+    chunked = config.get("chunked_kv") if isinstance(config.get("chunked_kv"), dict) else None
+    placed = geometry_from(chunked, args.window, hop)
+    judged = geometry_from(chunked, None, hop)
+    return hop, source, placed, (judged if judged.source == "server" else placed)
 
 
 async def scan(args: argparse.Namespace) -> dict:
@@ -56,7 +66,7 @@ async def scan(args: argparse.Namespace) -> dict:
         backoff_s=args.backoff, concurrency=args.concurrency,
     ) as client:
         model = await client.resolve_model(args.model)
-        hop, hop_source = await _hop(client, args.hop)
+        hop, hop_source, geometry, judged = await _server_layout(client, args)
         plan = ProbePlan(
             hop=hop, num_offsets=args.offsets or 2 * hop, prompts=args.prompts, per_phase=args.per_phase,
             seed=args.seed, target_position=args.target_position, needle_range=args.needle_range,
@@ -68,11 +78,13 @@ async def scan(args: argparse.Namespace) -> dict:
             "target_position": plan.target_position,
             "needle_range": list(plan.needle_range) if plan.needle_range else None,
             "kv_haystack_len": args.kv_haystack_len, "kv_records": args.kv_records,
-            "max_tokens": max_tokens, "temperature": args.temperature,
+            "max_tokens": max_tokens, "temperature": args.temperature, "placement": geometry.to_dict(),
         }
         store = RecordStore(args.out)
         store.prepare(settings, fresh=args.fresh)
         renderer = Renderer(client if units == "tokens" else None, model)
+        explicit = [x for x in (plan.target_position, plan.needle_range and plan.needle_range[1]) if x is not None]
+        await task.place(renderer, geometry, plan.hop, explicit)
         probes = await build_probes(kinds, task, renderer, plan)
         done = store.load()
         pending = [p for p in probes if p.probe_id not in done]
@@ -99,7 +111,7 @@ async def scan(args: argparse.Namespace) -> dict:
     wanted = {p.probe_id for p in probes}
     records = [r for r in store.load().values() if r.probe_id in wanted]
     store.write_csv(records)
-    results = summarize(records, seed=args.seed)
+    results = summarize(records, seed=args.seed, geometry=judged.scaled(units))
     out = Path(args.out)
     files = {"records": str(store.jsonl), "csv": str(store.csv), "summary": str(out / "summary.json")}
     if not args.no_plot:
@@ -108,7 +120,7 @@ async def scan(args: argparse.Namespace) -> dict:
         files["plot"] = str(plot_summary(results, out / "scan.png", hop=plan.hop, title=f"{model}: {task.name} task"))
     summary = {
         "model": model, "base_url": client.base_url, "units": units, "hop": plan.hop, "hop_source": hop_source,
-        "task": task.name,
+        "task": task.name, "placement": geometry.scaled(units).to_dict(),
         "resumed": len(done), "sent": len(pending), "feedback": feedback.summary(),
         "settings": settings, "results": results, "files": files,
     }

@@ -16,6 +16,13 @@ User tasks (one JSON object per line):
 
 The record goes into the template's `{record}` slot; its position is that of
 its first unit. The filler (default: a neutral sentence) pads around it.
+
+`place(renderer, geometry)` (called by the scan once it knows the server)
+makes the default positions land where the server compresses
+(`placement.py`): the kv task grows its haystack, user tasks pad between the
+record and the question, so that every target has at least
+`geometry.min_distance` units after it and sits past the sinks. Without it
+the items are built as if the window were 0.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_chunked_kv.scan.errors import ScanError
+from vllm_chunked_kv.scan.placement import Geometry
 from vllm_chunked_kv.scan.render import Fill, Renderer, Segment, Target, Text
 from vllm_chunked_kv.tasks import kv_retrieval as kv
 
@@ -48,6 +56,22 @@ class KVTask:
     def __init__(self, haystack_len: int = 240, num_records: int = 48):
         self.haystack_len = haystack_len
         self.num_records = num_records
+        self.min_distance: int | None = None  # tokens a target must have after it (set by place)
+        self.lo = 8  # first needle position by default: past a few sink tokens
+
+    async def place(self, renderer: Renderer, geometry: Geometry, hop: int, explicit: list[int]) -> None:
+        """Grow the haystack so every default or `explicit` target has `min_distance` tokens after it."""
+        self.min_distance = geometry.min_distance  # in tokens: this task's positions are token positions
+        self.lo = max(self.lo, geometry.sink_tokens)
+        last = max([self.lo + 16 * hop, *explicit])  # the latest target a probe may place
+        # Prompt: <bos>, haystack, "?", key; the value at p has haystack_len + 2 - p tokens after it.
+        self.haystack_len = max(self.haystack_len, last + self.min_distance - 2)
+
+    def _last_position(self) -> int:
+        """The latest default target: `min_distance` tokens before the end, else ~40 (unplaced)."""
+        if self.min_distance is None:
+            return max(self.haystack_len - 40, self.haystack_len // 2)
+        return self.haystack_len + 2 - self.min_distance
 
     def filler(self, units: str) -> str:
         # Whole filler words in tokens; spaces in characters (the seeds' "extra spaces").
@@ -60,10 +84,11 @@ class KVTask:
         words = prompt.text.split(" ")
         value = prompt.target_position - 1  # text has no <bos>: word i is token i + 1
         head = " ".join(words[:value]) + " "
-        return Item((Text(head), Target(" ".join(words[value:]))), prompt.answer)
+        tail = " " + " ".join(words[value + 1 :])
+        return Item((Text(head), Target(words[value]), Text(tail)), prompt.answer)
 
     async def offset_items(self, renderer: Renderer, count: int, seed: int, position: int | None) -> list[Item]:
-        position = self.haystack_len // 2 if position is None else position
+        position = min(self.haystack_len // 2, self._last_position()) if position is None else position
         return [
             self._item(self._make(random.Random(f"{seed}:offset:{i}"), position)) for i in range(count)
         ]
@@ -71,8 +96,8 @@ class KVTask:
     async def needle_items(
         self, renderer: Renderer, hop: int, per_phase: int, seed: int, span: tuple[int, int] | None
     ) -> dict[int, list[Item]]:
-        # Default: past a few sink tokens, and older than a raw window of ~32 before the query.
-        lo, hi = span or (8, max(self.haystack_len - 40, self.haystack_len // 2))
+        # Default: past the sinks, and older than the raw window (place), else than ~40 tokens.
+        lo, hi = span or (self.lo, self._last_position())
         positions = kv.needle_positions_by_phase(hop, per_phase, lo, hi, random.Random(f"{seed}:needle"))
         return {
             phase: [self._item(self._make(random.Random(f"{seed}:needle:{phase}:{i}"), p)) for i, p in enumerate(ps)]
@@ -105,6 +130,16 @@ class UserTask:
     def __init__(self, path: str | Path):
         self.name = str(path)
         self.lines = load_user_lines(path)
+        self.pads = [0] * len(self.lines)  # filler units between record and question (set by place)
+        self.sinks = 0
+
+    async def place(self, renderer: Renderer, geometry: Geometry, hop: int, explicit: list[int]) -> None:
+        """Pad each line after its record so the record ends `min_distance` units before the prompt's end."""
+        geometry = geometry.scaled(renderer.units)
+        self.sinks = geometry.sink_tokens
+        for i, line in enumerate(self.lines):
+            rendered = await renderer.render((Text(line.head), Target(line.record), Text(line.tail)))
+            self.pads[i] = max(0, geometry.min_distance - rendered.distance)
 
     def filler(self, units: str) -> str:
         return DEFAULT_FILLER
@@ -120,13 +155,17 @@ class UserTask:
     async def offset_items(self, renderer: Renderer, count: int, seed: int, position: int | None) -> list[Item]:
         # Pad each line in front so that every record starts at the same position.
         bases = await self._bases(renderer)
-        start = max(bases) if position is None else position
+        start = max(*bases, self.sinks) if position is None else position
         if start < max(bases):
             raise ScanError(f"--target-position {start} is before a record that starts at {max(bases)}")
         items = []
         for i in range(count):
-            line, base = self.lines[i % len(self.lines)], bases[i % len(self.lines)]
-            segments = (Fill(start - base, line.filler), Text(line.head), Target(line.record), Text(line.tail))
+            k = i % len(self.lines)
+            line, base, pad = self.lines[k], bases[k], self.pads[k]
+            segments = (
+                Fill(start - base, line.filler), Text(line.head), Target(line.record),
+                Fill(pad, line.filler), Text(line.tail),
+            )
             items.append(Item(segments, line.answer))
         return items
 
@@ -134,7 +173,8 @@ class UserTask:
         self, renderer: Renderer, hop: int, per_phase: int, seed: int, span: tuple[int, int] | None
     ) -> dict[int, list[Item]]:
         bases = await self._bases(renderer)
-        lo, hi = span or (max(bases), max(bases) + 16 * hop)
+        first = max(*bases, self.sinks)
+        lo, hi = span or (first, first + 16 * hop)
         if lo < max(bases):
             raise ScanError(f"--needle-range starts at {lo}, before a record that starts at {max(bases)}")
         positions = kv.needle_positions_by_phase(hop, per_phase, lo, hi, random.Random(f"{seed}:needle"))
@@ -142,9 +182,10 @@ class UserTask:
         for phase, ps in positions.items():
             items = []
             for i, position in enumerate(ps):
-                line, base = self.lines[i % len(self.lines)], bases[i % len(self.lines)]
+                k = i % len(self.lines)
+                line, base = self.lines[k], bases[k]
                 before = position - base  # filler units in front of the record
-                after = hi - base - before  # keeps each line's prompt length fixed
+                after = hi - position + self.pads[k]  # keeps each line's prompt length fixed
                 segments = (
                     Text(line.head), Fill(before, line.filler), Target(line.record),
                     Fill(after, line.filler), Text(line.tail),
