@@ -1,6 +1,8 @@
 """CHUNKED_KV's output does not depend on how vLLM schedules the work: greedy
 tokens are identical with prefix caching on and off, with 32-token and
-4096-token steps, and with each request alone or 8 at a time, for configs
+4096-token steps, with each request alone or 8 at a time, and under forced
+preemption (a KV budget too small for 8 at a time: the scheduler must have
+preempted, or the test fails), for every mitigation and for configs
 that compress (prompts far longer than the window) and use both kinds of
 page sets: compressed pages written at chunk completion, and raw pages with
 kept leading rows (sinks, staggered grid origins).
@@ -15,13 +17,19 @@ import random
 
 import pytest
 
+from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.testing.engine_run import generate
 from vllm_chunked_kv.testing.models import vocabulary
 
 pytestmark = pytest.mark.slow
 
+PREEMPTING_KV = 320 << 10  # bytes at 4 tokens per stored row: not all 8 prompts fit with their decodes
+MAX_TOKENS = 128  # long enough that running decodes outgrow the small budget
+
 CONFIGS = {
+    "none": dict(mitigation="none", window=16),
     "boundary-sinks": dict(mitigation="boundary", window=16, sink_tokens=5),
+    "stride2": dict(mitigation="stride2", window=12, sink_tokens=2),
     "overlap-key_norm": dict(mitigation="overlap", window=12, pooling="key_norm"),
     "stagger": dict(mitigation="stagger", window=16, sink_tokens=1),
 }
@@ -30,6 +38,7 @@ SCHEDULES = {
     "no cache": dict(enable_prefix_caching=False, max_num_batched_tokens=32),
     "4096-token steps": dict(enable_prefix_caching=True, max_num_batched_tokens=4096),
     "one at a time": dict(enable_prefix_caching=True, max_num_batched_tokens=32, alone=True),
+    "preempted": dict(enable_prefix_caching=True, max_num_batched_tokens=64, max_model_len=640, preempting=True),
 }
 
 
@@ -43,22 +52,26 @@ def make_rounds(seed: int) -> list[list[list[int]]]:
     return [first, second]
 
 
-def run(model, settings: dict, schedule: dict, rounds) -> list[list[int]]:
+def run(model, settings: dict, schedule: dict, rounds) -> tuple[list[list[int]], int]:
+    """Greedy tokens of every prompt, in order, and the number of preemptions."""
     schedule = dict(schedule)
     alone = schedule.pop("alone", False)
+    if schedule.pop("preempting", False):  # the same pressure whatever a config stores per token
+        schedule["kv_cache_memory_bytes"] = int(PREEMPTING_KV * 4 / ChunkedKVConfig(**settings).tokens_per_state)
     if alone:
         rounds = [[prompt] for prompts in rounds for prompt in prompts]
     engine = dict(attention_backend="chunked_kv", additional_config={"chunked_kv": settings}, block_size=32,
                   **schedule)
-    outputs = generate(model, engine, rounds, max_tokens=8)["outputs"]
-    return [tokens for round_outputs in outputs for tokens in round_outputs]
+    result = generate(model, engine, rounds, max_tokens=MAX_TOKENS)
+    return [tokens for round_outputs in result["outputs"] for tokens in round_outputs], result["preemptions"]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_outputs_do_not_depend_on_scheduling(config, tiny_llama):
     rounds = make_rounds(seed=len(config))
     results = {name: run(tiny_llama, CONFIGS[config], schedule, rounds) for name, schedule in SCHEDULES.items()}
-    baseline = results.pop("cached, 32-token steps, 8 at a time")
+    assert results["preempted"][1] > 0, "the small KV budget did not force a preemption"
+    baseline, _ = results.pop("cached, 32-token steps, 8 at a time")
     assert len(baseline) == 16
-    for name, outputs in results.items():
+    for name, (outputs, _) in results.items():
         assert outputs == baseline, name

@@ -215,14 +215,14 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
     def _origins(self, layer) -> tuple[int, ...]:
         """Grid origin of each local KV head (global head index under TP)."""
         if self._origins_cache is None:
-            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
             from vllm.model_executor.models.utils import extract_layer_index
 
             layer_idx = extract_layer_index(layer.layer_name)
-            first = get_tensor_model_parallel_rank() * self.num_kv_heads
-            total = self._total_kv_heads
-            all_origins = self.config.origins(layer_idx, total)
-            self._origins_cache = tuple(all_origins[(first + h) % total] for h in range(self.num_kv_heads))
+            all_origins = self.config.origins(layer_idx, self._total_kv_heads)
+            heads = global_kv_heads(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                    self.num_kv_heads, self._total_kv_heads)
+            self._origins_cache = tuple(all_origins[h] for h in heads)
         return self._origins_cache
 
     def forward(
@@ -259,6 +259,15 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         if result is not out:
             output[:n].view_as(result).copy_(result)
         return output
+
+
+def global_kv_heads(rank: int, world: int, local: int, total: int) -> list[int]:
+    """Model-wide index of each KV head a tensor-parallel rank holds: a slice of
+    `local` heads when the heads split across ranks, else (fewer heads than
+    ranks) the one head vLLM replicates on `world / total` consecutive ranks."""
+    if total >= world:
+        return [rank * local + h for h in range(local)]
+    return [rank * total // world]
 
 
 def _step_metadata(layer_name: str):

@@ -7,7 +7,8 @@ process), started by `generate()`:
 
 `rounds` are submitted one after another to the same engine, so a later
 round hits the prefix cache filled by an earlier one; the prompts of one
-round run concurrently. Returns the generated token ids per round.
+round run concurrently. Returns `outputs` (the generated token ids per
+round), `preemptions` (requests the scheduler preempted) and `log`.
 """
 
 from __future__ import annotations
@@ -47,12 +48,27 @@ def _main() -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(spec["model"], **spec["engine"])
+    preemptions = _count_preemptions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     outputs = []
     for prompts in spec["rounds"]:
         results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
-    print(json.dumps({"outputs": outputs}), flush=True)
+    print(json.dumps({"outputs": outputs, "preemptions": len(preemptions)}), flush=True)
+
+
+def _count_preemptions(llm) -> list[str]:
+    """Wrap the in-process scheduler's preemption: the ids of the requests it preempts, as they happen."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preempt = scheduler._preempt_request
+    seen: list[str] = []
+
+    def counting(request, *args, **kwargs):
+        seen.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting
+    return seen
 
 
 if __name__ == "__main__":
