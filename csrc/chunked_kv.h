@@ -1,5 +1,5 @@
 // Launchers of the chunked KV kernels over the compressed layout
-// (vllm_chunked_kv/layout.py, DESIGN.md §3-4, §10), free of torch headers so
+// (vllm_chunked_kv/layout.py, docs/design.md §3-4, §10), free of torch headers so
 // that the kernels compile with nvcc alone, or with a host compiler for the
 // CPU emulation the tests use (CHUNKED_KV_CPU_EMULATION, cpu_emulation.h).
 // The torch binding (chunked_kv_ext.cpp) checks tensors and fills these

@@ -1,4 +1,4 @@
-// Chunked attention over the compressed layout (DESIGN.md §3-4, §10; what
+// Chunked attention over the compressed layout (docs/design.md §3-4, §10; what
 // ops/compressed.py `attend` computes, from the same KeySet, without its
 // dense bias). fp32 arithmetic whatever the storage dtypes.
 //

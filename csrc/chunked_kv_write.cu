@@ -1,5 +1,5 @@
 // Pooling of the chunks a step completes into the compressed pages
-// (DESIGN.md §3-4; what ops/compressed.py `write_chunks` does): one block per
+// (docs/design.md §3-4; what ops/compressed.py `write_chunks` does): one block per
 // chunk gathers its chunk_size rows (the step's own row, rounded to the cache
 // dtype, or the stored raw row), weighs the pooled slots (fixed normalised
 // gains, or the softmax of the keys' L2 norms for key_norm) and stores the

@@ -1,4 +1,4 @@
-"""CHUNKED_KV in vLLM computes DESIGN.md §3-4 exactly: for every mitigation x
+"""CHUNKED_KV in vLLM computes docs/design.md §3-4 exactly: for every mitigation x
 pooling mode (and staggered grids), greedy tokens from `vllm` equal those of
 the same model run in transformers with the reference chunked attention, on
 20 prompts longer than window + 4 * chunk_size, generated under chunked

@@ -1,7 +1,7 @@
 """Contract of vllm_chunked_kv.config.ChunkedKVConfig.
 
 - Every mitigation preset fills chunk_size, hop, keep_boundary and stagger as
-  DESIGN.md §4 and §10 say; "none" and "stagger" leave the grid settable.
+  docs/design.md §4 and §10 say; "none" and "stagger" leave the grid settable.
 - Every bad value and every explicit contradiction of a preset raises
   ChunkedKVConfigError whose message is one line, starts with
   ``chunked_kv.<field>:`` (or ``chunked_kv:`` for an unknown key) and names

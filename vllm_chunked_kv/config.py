@@ -1,4 +1,4 @@
-"""ChunkedKVConfig: every setting of DESIGN.md §3-4 and §10 in one pydantic model.
+"""ChunkedKVConfig: every setting of docs/design.md §3-4 and §10 in one pydantic model.
 
 Settings arrive as ``--additional-config '{"chunked_kv": {...}}'``; read them
 with :meth:`ChunkedKVConfig.from_additional_config`. A bad value raises
@@ -127,7 +127,7 @@ class _ChunkedKVFields(BaseModel):
     (stagger = 'heads')."""
 
     stagger: Literal["none", "heads"] | list[list[int]] = "none"
-    """Per-KV-head grid origins (DESIGN.md §10): 'none' (all 0), 'heads' (KV
+    """Per-KV-head grid origins (docs/design.md §10): 'none' (all 0), 'heads' (KV
     head h, counted globally, starts at (h mod stagger_groups) * hop /
     stagger_groups), or an explicit per-layer list of per-KV-head origins,
     each in [0, hop)."""
@@ -165,7 +165,7 @@ class _ChunkedKVFields(BaseModel):
 
 
 class ChunkedKVConfig(_ChunkedKVFields):
-    """Chunked KV-cache compression settings (DESIGN.md §2-4, §10) with the
+    """Chunked KV-cache compression settings (docs/design.md §2-4, §10) with the
     preset applied: after validation ``hop`` and ``keep_boundary`` are never None."""
 
     @model_validator(mode="before")

@@ -1,6 +1,6 @@
 """Where CHUNKED_KV keeps each row: compressed pages and the raw window.
 
-Every attention layer has two paged caches (DESIGN.md §3-4, §10):
+Every attention layer has two paged caches (docs/design.md §3-4, §10):
 
 - **compressed pages** (the layer's own cache, a full-attention group whose
   spec declares ``tokens_per_state``): one *slot group* per ``hop`` tokens of

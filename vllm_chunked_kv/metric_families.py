@@ -1,7 +1,7 @@
 """Every Prometheus metric this package exports: one table (`SPECS`) that the
 stat logger, the feedback route and the README's metrics table all read.
 
-Names follow DESIGN.md §6: prefix `vllm_chunked_kv_`, a unit suffix, base
+Names follow docs/design.md §6: prefix `vllm_chunked_kv_`, a unit suffix, base
 labels `model_name` and `engine` as vLLM's own metrics have them, and only
 closed label sets besides (`phase` in 0..hop-1, `outcome` in
 correct|incorrect, a handful of configuration words). The metric objects are

@@ -6,7 +6,7 @@ by `RawWindowManager` (a `SlidingWindowManager`):
 - **sinks**: the pages holding positions ``[0, sink_tokens)`` stay with the
   request for its whole life, and a prefix-cache hit brings them along (a
   hit whose sink pages are not cached shrinks to the cached prefix). CHUNKED_KV
-  keeps sinks (DESIGN.md §3) and the positions before a staggered grid
+  keeps sinks (docs/design.md §3) and the positions before a staggered grid
   origin (§10) there.
 - **no pages for rows that leave the window within their own step**: a step
   computing positions ``[start, end)`` needs stored rows only from ``end -

@@ -1,7 +1,7 @@
 """Contract of `vllm_chunked_kv.kv_footprint`: uncompressed bytes per token
 is 2 (K, V) x layers x KV heads x head size x dtype bytes, read from the
 model through vLLM's config; compression counts only when CHUNKED_KV is the
-selected backend, and then the ratio is DESIGN.md §4's: chunk_size tokens
+selected backend, and then the ratio is docs/design.md §4's: chunk_size tokens
 over the rows they are stored in; capacity is vLLM's own figure."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from vllm_chunked_kv.kv_footprint import (
     uncompressed_bytes_per_token,
 )
 
-# DESIGN.md §4: chunk_size C tokens over the rows they are stored in
+# docs/design.md §4: chunk_size C tokens over the rows they are stored in
 # (none 1 row, boundary 3, overlap 2; stride2 stores every 2 tokens as 1 row).
 EXPECTED_RATIO = {
     "none": lambda c: Fraction(c, 1), "boundary": lambda c: Fraction(c, 3),

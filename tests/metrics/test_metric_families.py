@@ -1,4 +1,4 @@
-"""Contract of `vllm_chunked_kv.metric_families` (DESIGN.md §6): every metric
+"""Contract of `vllm_chunked_kv.metric_families` (docs/design.md §6): every metric
 is named `vllm_chunked_kv_<noun>_<unit>`, counters end in `_total`, every
 metric carries vLLM's base labels, and no label can take unbounded values;
 the objects are created once per process and expose exactly the names in

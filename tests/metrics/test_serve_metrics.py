@@ -122,7 +122,7 @@ def test_config_route_and_gauges_report_the_active_backend(server, tiny_llama):
     model_cfg = json.loads((tiny_llama / "config.json").read_text())
     head_size = model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     uncompressed = 2 * model_cfg["num_hidden_layers"] * model_cfg["num_key_value_heads"] * head_size * 4  # float32
-    ratio = 8 / 2  # overlap: 2 rows per chunk_size tokens (DESIGN.md §4)
+    ratio = 8 / 2  # overlap: 2 rows per chunk_size tokens (docs/design.md §4)
     assert view["kv_cache"]["uncompressed_bytes_per_token"] == uncompressed
     assert view["kv_cache"]["compression_ratio"] == ratio
     base = (("engine", "0"), ("model_name", str(server.model)))

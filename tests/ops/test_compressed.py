@@ -47,7 +47,7 @@ def test_one_token_steps_only():
 
 
 def test_stored_rows_per_token():
-    """Compressed pages hold exactly tokens / tokens_per_state rows (DESIGN.md §4)."""
+    """Compressed pages hold exactly tokens / tokens_per_state rows (docs/design.md §4)."""
     for name, settings in CONFIGS.items():
         cfg = ChunkedKVConfig(**settings)
         block_size = 4 * cfg.hop

@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.reference, the ground truth of DESIGN.md §3-4 and §10.
+"""Contract of vllm_chunked_kv.ops.reference, the ground truth of docs/design.md §3-4 and §10.
 
 - With nothing sealed (window >= length) or chunk_size == hop == 1 it is
   causal attention (torch SDPA, GQA) within 1e-5.
@@ -6,7 +6,7 @@
 - The vectorised masks equal the per-query ``visible_set`` of §3, and the
   whole-sequence attention equals a per-query loop over ``visible_set`` and
   ``pool_chunk`` (odd lengths, 1-token sequences, GQA ratios 1, 2, 4).
-- Rows kept per chunk_size tokens match the DESIGN.md §4 table.
+- Rows kept per chunk_size tokens match the docs/design.md §4 table.
 - The proportional logit makes a chunk of identical tokens weigh like the
   raw tokens it replaced.
 - Pooling: gated one-hot gains pick their slot, key_norm weights are the
@@ -173,7 +173,7 @@ def test_sinks_and_boundaries_by_hand():
     assert visible_set(20, ChunkedKVConfig(chunk_size=4, window=4), origin=2) == ([0, 1, 14, 15, 16, 17, 18, 19, 20], [0, 1, 2])
 
 
-# DESIGN.md §4: stored rows per `base` tokens of the compressed region, for chunk size `base`.
+# docs/design.md §4: stored rows per `base` tokens of the compressed region, for chunk size `base`.
 DESIGN_ROWS = {"none": lambda base: 1, "boundary": lambda base: 3, "overlap": lambda base: 2, "stride2": lambda base: base // 2, "stagger": lambda base: 1}
 
 

@@ -26,7 +26,7 @@ def _exact(pattern: list[float], n: int) -> tuple[list[int], list[int]]:
         ([0.95, 0.95, 0.95, 0.55] * 2, 4),
         ([0.9, 0.6] * 4, 2),
         ([0.9, 0.5, 0.7] * 3, 3),
-        ([0.79, 0.95, 0.85, 0.63] * 2, 4),  # DESIGN.md §8's mean-pooling demo numbers
+        ([0.79, 0.95, 0.85, 0.63] * 2, 4),  # docs/design.md §8's mean-pooling demo numbers
     ],
 )
 def test_noise_free_periods(pattern, period):

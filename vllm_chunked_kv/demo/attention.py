@@ -3,7 +3,7 @@
 Registers an attention function named `chunked_kv` with transformers'
 `AttentionInterface`. The compression itself is the reference's
 (`ops.reference.extended_kv`: the pooled rows and the additive mask of
-DESIGN.md §3-4, §10); this module only batches it: the batch is folded into
+docs/design.md §3-4, §10); this module only batches it: the batch is folded into
 the KV-head axis, which the reference treats independently, and one softmax
 runs over the extended key set. Gradients flow through the pooling, so the
 same function trains the model under compression.

@@ -2,7 +2,7 @@
 
 Runs vLLM on the shipped demo model with the default backend and with
 `chunked_kv` under each mitigation, on the same position-matched needle
-prompts (DESIGN.md §7: only the target record's position changes; groups by
+prompts (docs/design.md §7: only the target record's position changes; groups by
 position mod 8 share mean and variance of the position), and prints a table
 in the paper's shape: mode, KV rows per token, mean accuracy, worst and best
 phase (position mod 4), the gap with its 95% interval, and the period found

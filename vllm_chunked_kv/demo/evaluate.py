@@ -5,7 +5,7 @@
 - `predict`: greedy next word of each prompt (one forward pass, argmax at
   the last position), in batches of equal-length prompts.
 - `accuracy`: held-out prompts at the demo context length.
-- `needle_sweep`: the position-matched needle-phase sweep of DESIGN.md §7
+- `needle_sweep`: the position-matched needle-phase sweep of docs/design.md §7
   (targets grouped by `position mod hop`, equal mean and variance of
   position), with Wilson intervals per phase and the best - worst gap
   (`scan.stats.compare_groups`).

@@ -1,4 +1,4 @@
-"""Fine-tune a trained demo model with staggered grids (DESIGN.md §10) inside its attention.
+"""Fine-tune a trained demo model with staggered grids (docs/design.md §10) inside its attention.
 
     python -m vllm_chunked_kv.demo.finetune --from vllm_chunked_kv/demo/model --stagger heads \\
         --out vllm_chunked_kv/demo/model_stagger --seed 0

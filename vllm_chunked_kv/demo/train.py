@@ -2,7 +2,7 @@
 
     python -m vllm_chunked_kv.demo.train --out DIR [--gated-out DIR2] --seed 0 [--steps-scale 0.1]
 
-The curriculum (DESIGN.md §8): plain recall training stalls at "guess any
+The curriculum (docs/design.md §8): plain recall training stalls at "guess any
 value", so the model first learns to copy a segment placed anywhere in a
 96-token sequence (which grows an induction circuit that works at every
 position; a fixed-offset copy is learned by position instead and does not
@@ -48,7 +48,7 @@ from vllm_chunked_kv.demo.architecture import build_model
 from vllm_chunked_kv.demo.attention import chunked_attention
 from vllm_chunked_kv.demo.data import IGNORE, batch
 
-# The compression the model is fine-tuned under (DESIGN.md §8).
+# The compression the model is fine-tuned under (docs/design.md §8).
 FINETUNE_COMPRESSION = ChunkedKVConfig(chunk_size=4, window=32, sink_tokens=4)
 
 

@@ -1,4 +1,4 @@
-"""The ground truth for every CHUNKED_KV kernel: DESIGN.md §3-4 and §10 in plain PyTorch.
+"""The ground truth for every CHUNKED_KV kernel: docs/design.md §3-4 and §10 in plain PyTorch.
 
 Positions count from 0 at the first prompt token. Each KV head ``h`` has a
 grid origin ``o`` in ``[0, hop)`` (0 unless staggered). For a query at
@@ -211,7 +211,7 @@ def reference_chunked_attention(
     scale: float | None = None,
     origins: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal chunked attention over one sequence (DESIGN.md §3-4, §10).
+    """Causal chunked attention over one sequence (docs/design.md §3-4, §10).
 
     q ``[T, num_heads, head_dim]``; k, v ``[T, num_kv_heads, head_dim]`` with
     keys after RoPE; num_heads a multiple of num_kv_heads (query head ``i``

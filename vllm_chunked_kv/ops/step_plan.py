@@ -12,7 +12,7 @@ both cache groups, then reused by every layer:
 - `KeySet`s: for a set of query tokens, which stored raw rows, which of the
   step's own rows and which compressed slots to attend to, and the additive
   bias (``-inf`` hidden, ``0`` raw, ``log_weight`` on pooled rows) that turns
-  plain attention over them into DESIGN.md §3 attention. All single-token
+  plain attention over them into docs/design.md §3 attention. All single-token
   (decode) requests share one padded `KeySet`; every multi-token request
   gets its own.
 

@@ -1,4 +1,4 @@
-"""Triton chunked attention over the compressed layout (DESIGN.md §3-4, §10):
+"""Triton chunked attention over the compressed layout (docs/design.md §3-4, §10):
 `attend` computes what `compressed.attend` computes, from the same
 `StepPlan`, without its dense bias.
 
@@ -41,7 +41,7 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite start of the running max (see _chunke
 @triton.jit
 def _chunked_kv_seal(t, window, origin, CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr):
     """For query position(s) ``t``: (number of sealed chunks, first position of
-    the raw region after them) on a grid starting at ``origin`` (DESIGN.md §3, §10)."""
+    the raw region after them) on a grid starting at ``origin`` (docs/design.md §3, §10)."""
     slack = t - window - (origin + CHUNK_SIZE - 1)
     sealed = tl.where(slack >= 0, tl.maximum(slack, 0) // HOP + 1, 0)
     raw_from = tl.where(sealed > 0, origin + (sealed - 1) * HOP + CHUNK_SIZE, origin)

@@ -1,4 +1,4 @@
-"""Triton pooling of the chunks a step completes into the compressed pages (DESIGN.md §3-4).
+"""Triton pooling of the chunks a step completes into the compressed pages (docs/design.md §3-4).
 
 `write_chunks` has the signature and semantics of `compressed.write_chunks`:
 one program pools ``BLOCK_C`` chunks of the step's `ChunkWrites`, each

@@ -1,4 +1,4 @@
-"""The scanner: find the weak phases of any OpenAI-compatible endpoint (DESIGN.md §7).
+"""The scanner: find the weak phases of any OpenAI-compatible endpoint (docs/design.md §7).
 
 `cli.py` is the `vllm-chunked-kv scan` entry; `session.py` runs one scan.
 Requests: `client.py` (HTTP, retries), `render.py` (prompts in tokens or

@@ -1,4 +1,4 @@
-"""The two probes of DESIGN.md §7 as lists of requests to send.
+"""The two probes of docs/design.md §7 as lists of requests to send.
 
 - `offset`: every offset item with 0 .. num_offsets-1 filler units put in
   front (after the server's special prefix), accuracy per offset. The items

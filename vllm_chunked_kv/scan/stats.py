@@ -1,4 +1,4 @@
-"""Accuracy per group with its uncertainty (DESIGN.md §7).
+"""Accuracy per group with its uncertainty (docs/design.md §7).
 
 - `wilson`: two-sided Wilson score interval of one proportion.
 - `newcombe_difference`: interval of a difference of two independent

@@ -5,9 +5,9 @@ Each task yields `Item`s: a prompt as segments (see `render.py`) with one
 
 - offset items: prompts whose target sits at the same position in every
   item, so that prepending `k` filler units moves every target to the same
-  new position (DESIGN.md §7, the prefix-offset probe);
+  new position (docs/design.md §7, the prefix-offset probe);
 - needle items: only the target's position changes, position-matched across
-  phases (`needle_positions_by_phase`, DESIGN.md §7).
+  phases (`needle_positions_by_phase`, docs/design.md §7).
 
 User tasks (one JSON object per line):
 

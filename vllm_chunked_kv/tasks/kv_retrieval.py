@@ -4,13 +4,13 @@ A prompt is a haystack of `kX vY` records scattered among filler words,
 followed by a query `? kX`; the correct continuation is the record's value
 `vY`. Every word is one token of the shipped word-level tokenizer, which puts
 `<bos>` in front, so token position 0 is `<bos>` and the first word of
-`KVPrompt.text` sits at position 1 (positions as vLLM and DESIGN.md §2 count
+`KVPrompt.text` sits at position 1 (positions as vLLM and docs/design.md §2 count
 them).
 
 Everything is drawn from the `random.Random` passed in, so a seed fixes the
 prompt. The haystack is drawn before the prefix filler, so two calls from the
 same rng state that differ only in `prefix_filler` give the same haystack,
-shifted (the offset probe of DESIGN.md §7).
+shifted (the offset probe of docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def needle_positions_by_phase(
     the phase; then, to re-centre, `num_per_phase * phase / hop` of them move
     back by one hop. The moved ones are picked so the variance stays that of
     phase 0: every group has exactly the same mean, and variances equal to
-    within a few square tokens (DESIGN.md §7). `num_per_phase` must be a
+    within a few square tokens (docs/design.md §7). `num_per_phase` must be a
     multiple of `hop` (that is what makes the means equal exactly).
     """
     if hop < 1 or num_per_phase < 1 or num_per_phase % hop:
