@@ -23,8 +23,8 @@ from vllm_chunked_kv.testing.models import vocabulary
 
 pytestmark = pytest.mark.slow
 
-PREEMPTING_KV = 320 << 10  # bytes at 4 tokens per stored row: not all 8 prompts fit with their decodes
-MAX_TOKENS = 128  # long enough that running decodes outgrow the small budget
+PREEMPTING_KV = 384 << 10  # bytes at 4 tokens per stored row: not all 8 prompts fit with their decodes
+MAX_TOKENS = 256  # long enough that running decodes outgrow the small budget
 
 CONFIGS = {
     "none": dict(mitigation="none", window=16),
@@ -38,7 +38,7 @@ SCHEDULES = {
     "no cache": dict(enable_prefix_caching=False, max_num_batched_tokens=32),
     "4096-token steps": dict(enable_prefix_caching=True, max_num_batched_tokens=4096),
     "one at a time": dict(enable_prefix_caching=True, max_num_batched_tokens=32, alone=True),
-    "preempted": dict(enable_prefix_caching=True, max_num_batched_tokens=64, max_model_len=640, preempting=True),
+    "preempted": dict(enable_prefix_caching=True, max_num_batched_tokens=64, max_model_len=768, preempting=True),
 }
 
 
