@@ -21,7 +21,6 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SETTINGS = {
     "stagger": {"mitigation": "stagger", "chunk_size": 4, "window": 16, "sink_tokens": 4},
-    "boundary": {"mitigation": "boundary", "chunk_size": 4, "window": 16, "sink_tokens": 4},
 }
 
 
