@@ -9,7 +9,8 @@
   task, default and explicit ranges) has at least `min_distance` units after
   it and starts past the sinks; without a placement the kv task keeps its
   old default range.
-- Scan against a server reporting window 40: every record carries its
+- Without the config route a 512-token window is assumed (`--window` overrides
+  it). Scan against a server reporting window 40: every record carries its
   distance, all targets are outside, no warning. With `--window 0` against
   the same server the targets fall inside the server's window: the summary
   counts them as inside and the text output warns in one line.
@@ -162,3 +163,17 @@ def test_needle_range_bad_form_names_both(capsys):
         parser.parse_args(["--needle-range", "30-330"])
     err = capsys.readouterr().err
     assert "LO:HI or LO HI" in err
+
+
+def test_scan_without_the_config_route_assumes_a_long_window(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    with FakeEndpoint() as fake:  # no /v1/chunked_kv/config
+        code, out, err = _scan(capsys, tmp_path, fake.base_url, "--task", str(path))
+        assert code == 0, err
+        assert summary_of(out)["placement"] == {"window": ASSUMED_WINDOW, "chunk_size": 4, "sink_tokens": 4,
+                                                "min_distance": ASSUMED_WINDOW + 4, "source": "assumed"}
+        code, out, err = _scan(capsys, tmp_path, fake.base_url, "--task", str(path), "--window", "40")
+        assert summary_of(out)["placement"]["source"] == "--window"
+    records = [json.loads(line) for line in (tmp_path / "scan" / "records.jsonl").read_text().splitlines()]
+    assert records and all(r["distance"] >= 44 for r in records)
