@@ -1,6 +1,7 @@
 """A wheel built from this checkout carries what a non-editable install needs:
 the three shipped demo models (weights, tokenizer, configs), the SmolLM2
-adapter that `models fetch --adapted` merges, the prose-codes scanner task,
+adapter that `models fetch --adapted` merges, the prose-codes scanner task and
+the scanner's example task,
 and the CUDA sources and headers, installed where `ops/cuda_ext.py` looks for them
 without a checkout (``<prefix>/share/vllm-chunked-kv/csrc``)."""
 
@@ -29,6 +30,7 @@ def test_wheel_carries_models_and_cuda_sources(tmp_path):
     for name in ADAPTER_FILES:
         assert f"vllm_chunked_kv/models/adapters/smollm2-135m/{name}" in names
     assert "vllm_chunked_kv/tasks/data/prose_codes.jsonl" in names
+    assert "vllm_chunked_kv/scan/examples/secret_codes.jsonl" in names
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
     for name in cuda_ext.SOURCES + cuda_ext.HEADERS:
         assert (cuda_ext.INSTALLED_SOURCES / name).as_posix() in data
