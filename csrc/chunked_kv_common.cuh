@@ -1,5 +1,5 @@
 // What the chunked KV kernels share: storage types, the visibility rule of
-// DESIGN.md §3 and §10, shared-memory carving and the launch macro (a real
+// docs/design.md §3 and §10, shared-memory carving and the launch macro (a real
 // launch, or the CPU emulation of cpu_emulation.h).
 #pragma once
 
