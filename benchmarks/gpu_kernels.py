@@ -138,8 +138,7 @@ def make_problem(seq_lens, q_lens, cfg: ChunkedKVConfig, args, device, dtype, *,
     raw = torch.randn(raw_table.numel() + 1, width, per_block, 2 * d, device=device, dtype=dtype)
     batch = PagedBatch(
         query_start=[0, *itertools.accumulate(q_lens)], seq_lens=list(seq_lens), block_table=comp_table,
-        block_size=bs, raw_block_table=raw_table, raw_block_size=per_block, raw_window=layout.raw_window(cfg),
-        raw_sink_tokens=keep,
+        block_size=bs, raw_block_table=raw_table, raw_block_size=per_block,
     )
     plan = build_plan(batch, cfg, origins, bias=bias)
     n = sum(q_lens)
@@ -207,8 +206,7 @@ def check_one(ops, cfg: ChunkedKVConfig, args, device) -> tuple[float, float]:
         batch = PagedBatch(
             query_start=[0, *itertools.accumulate(lo_hi[r][1] - lo_hi[r][0] for r in reqs)],
             seq_lens=[lo_hi[r][1] for r in reqs], block_table=comp_table[reqs], block_size=bs,
-            raw_block_table=raw_table[reqs], raw_block_size=per_block, raw_window=1 << 30,
-            raw_sink_tokens=0)
+            raw_block_table=raw_table[reqs], raw_block_size=per_block)
         plan = build_plan(batch, cfg, origins, bias=ops.needs_bias)
         query = torch.cat([q[r][lo:hi] for r, (lo, hi) in enumerate(lo_hi) if r in reqs]).to(device)
         rows = torch.cat([kv[r][lo:hi] for r, (lo, hi) in enumerate(lo_hi) if r in reqs]).to(device)

@@ -126,7 +126,6 @@ class ChunkedKVMetadata:
             batch = PagedBatch(
                 query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
                 block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
-                raw_window=raw.sliding_window, raw_sink_tokens=raw.sink_tokens,
             )
             self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
         return self.plans[origins]

@@ -44,8 +44,6 @@ class RawPagesMetadata:
     block_table: torch.Tensor  # [num_reqs, max_raw_blocks]
     slot_mapping: torch.Tensor  # [num_tokens] flat raw slot of each new token
     block_size: int
-    sliding_window: int
-    sink_tokens: int
 
 
 class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
@@ -62,8 +60,6 @@ class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             block_size=self.spec.block_size,
-            sliding_window=self.spec.sliding_window,
-            sink_tokens=self.spec.sink_tokens,
         )
 
 

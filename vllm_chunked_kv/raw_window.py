@@ -101,8 +101,9 @@ class RawWindowManager(SlidingWindowManager):
         the sinks, the window at the end of the step and the prefix-cache tails."""
         spec: RawWindowSpec = self.kv_cache_spec
         keep_from = self._dead_until(num_tokens_main_model)
-        interval = spec.retention_interval if spec.prefix_caching else 0
+        interval = 0  # no periodic tails without prefix caching
         if spec.prefix_caching:
+            interval = spec.retention_interval
             if interval is None:
                 return [True] * (hi - lo)
             align = self.cache_hit_alignment_tokens

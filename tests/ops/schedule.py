@@ -100,8 +100,6 @@ class Pager:
             block_size=self.block_size,
             raw_block_table=torch.tensor([pad(self.tables[r][1]) for r, _, _ in steps], device=self.device),
             raw_block_size=self.raw_block_size,
-            raw_window=layout.raw_window(self.cfg),
-            raw_sink_tokens=self.keep,
         )
 
     def check_pages_complete(self, r: int, start: int, end: int) -> None:

@@ -41,9 +41,7 @@ class PagedBatch:
     block_table: torch.Tensor  # [num_reqs, max_blocks] compressed pages
     block_size: int  # tokens per compressed page
     raw_block_table: torch.Tensor  # [num_reqs, max_raw_blocks] raw pages
-    raw_block_size: int  # tokens per raw page
-    raw_window: int  # sliding window of the raw pages (their spec's)
-    raw_sink_tokens: int  # leading positions whose raw pages are kept (their spec's)
+    raw_block_size: int  # tokens per raw page; entries NULL_PAGE were never stored
 
     def first_position(self, r: int) -> int:
         """Position of request r's first token in this step."""
