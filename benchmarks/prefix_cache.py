@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from vllm_chunked_kv.testing.engine_run import run_json_script
 
 from bench_model import build_bench_model
 
@@ -52,13 +52,8 @@ def worker(spec: dict) -> dict:
 
 def measure(model: Path, engine: dict, rounds: list[list[int]], threads: int) -> list[dict]:
     spec = {"model": str(model), "engine": engine, "rounds": rounds}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(spec), capture_output=True,
-                          text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"benchmark worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])["rows"]
+    env = {"OMP_NUM_THREADS": str(threads)}
+    return run_json_script([sys.executable, __file__, "--worker"], spec, None, env=env, marker='{"rows"')["rows"]
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from vllm_chunked_kv.testing.engine_run import run_json_script
 
 from bench_model import build_bench_model
 
@@ -63,15 +63,9 @@ def worker(spec: dict) -> dict:
 
 def measure(model: Path, engine: dict, context: int, batch: int, decode_tokens: int, threads: int | None) -> dict:
     spec = {"model": str(model), "engine": engine, "context": context, "batch": batch, "decode_tokens": decode_tokens}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(spec), capture_output=True,
-                          text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"benchmark worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    result = run_json_script([sys.executable, __file__, "--worker"], spec, None, env=env, marker='{"prefill_s"')
+    return {key: result[key] for key in ("prefill_s", "decode_tok_s")}
 
 
 def max_positions(model: Path) -> int | None:

@@ -23,16 +23,17 @@ ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="float32", max_model_len=1024,
 
 
 def generate(model: str, engine_kwargs: dict, rounds: list[list[list[int]]], max_tokens: int = 8,
-             timeout: float = 600) -> list[list[list[int]]]:
+             timeout: float = 600) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
     return run_json_script([sys.executable, "-m", __name__], spec, timeout)
 
 
-def run_json_script(argv: list[str], spec: dict, timeout: float, env: dict[str, str] | None = None,
+def run_json_script(argv: list[str], spec: dict, timeout: float | None, env: dict[str, str] | None = None,
                     marker: str = "{") -> dict:
     """Run an engine script in an in-process-engine interpreter, `spec` as JSON on stdin;
-    its last stdout line starting with `marker`, parsed, plus `log` (vLLM logs to stdout)."""
+    its last stdout line starting with `marker`, parsed, plus `log` (vLLM logs to stdout).
+    `timeout` None: no limit (benchmarks)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
