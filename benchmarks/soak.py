@@ -140,7 +140,7 @@ async def soak(args) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="served model name (default: the only one listed)")
@@ -157,7 +157,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the report here")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     report = asyncio.run(soak(args))
     print(json.dumps({k: v for k, v in report.items() if k != "rss_mb"}, indent=2))
     if args.json:

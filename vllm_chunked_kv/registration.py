@@ -77,21 +77,17 @@ def _selected(vllm_config) -> bool:
     return getattr(backend, "name", None) == BACKEND_NAME
 
 
-_defaults_logged = False
-
-
 def _log_defaults_once(vllm_config, cfg) -> None:
     """Say which settings run when chunked_kv is selected with no "chunked_kv" section at all."""
-    global _defaults_logged
+    import json
+
+    from vllm.logger import init_logger
+
     from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY
 
-    if _defaults_logged or ADDITIONAL_CONFIG_KEY in (vllm_config.additional_config or {}):
+    if ADDITIONAL_CONFIG_KEY in (vllm_config.additional_config or {}):
         return
-    _defaults_logged = True
-    import json
-    import logging
-
-    logging.getLogger("vllm.chunked_kv.config").info(  # under "vllm": vLLM's handler prints it
+    init_logger("vllm.chunked_kv.config").info_once(  # under "vllm": vLLM's handler prints it
         "chunked_kv: no \"%s\" section in --additional-config; running with the defaults %s",
         ADDITIONAL_CONFIG_KEY, json.dumps({k: v for k, v in cfg.model_dump().items() if v is not None}),
     )

@@ -11,7 +11,6 @@ the server's process tree.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 
@@ -36,9 +35,11 @@ def test_soak_leaves_the_server_correct_and_idle(mode, tiny_llama, load_benchmar
     settings = {"chunk_size": 4, "window": 16, "sink_tokens": 4, **MODES[mode]}
     args = ["--attention-backend", "chunked_kv", "--additional-config", json.dumps({"chunked_kv": settings})]
     with VllmServer(tiny_llama, args) as server:
-        options = argparse.Namespace(base_url=server.base_url, model=None, duration=60.0, concurrency=8, abort=0.3,
-                                     lengths="32,200,600", max_tokens=24, pid=server.proc.pid, sample_every=10.0,
-                                     settle=3.0, timeout=120.0, seed=0, words=250)
+        options = soak.parse_args([
+            "--base-url", server.base_url, "--duration", "60", "--concurrency", "8", "--abort", "0.3",
+            "--lengths", "32,200,600", "--max-tokens", "24", "--pid", str(server.proc.pid), "--sample-every", "10",
+            "--settle", "3", "--timeout", "120", "--words", "250",
+        ])
         report = asyncio.run(soak.soak(options))
     print({k: v for k, v in report.items() if k != "rss_mb"})
     assert report["errors"] == {}
