@@ -36,18 +36,25 @@ def probes(words: list[str]) -> list[str]:
     return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(40 + 30 * i)) for i in range(4)]
 
 
-def rss_mb(pid: int | None) -> float | None:
-    """Resident memory of `pid` and its children (vLLM's engine runs in a child), in MB."""
+def rss_parts_mb(pid: int | None) -> tuple[float, float] | None:
+    """Resident memory of `pid` itself (vLLM's API server) and of its
+    children together (the engine core and its helpers), in MB."""
     if pid is None:
         return None
     import psutil
 
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-        return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+        children = [p for p in root.children(recursive=True) if p.is_running()]
+        return root.memory_info().rss / 2**20, sum(p.memory_info().rss for p in children) / 2**20
     except psutil.Error:
         return None
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """Resident memory of `pid` and its children, in MB."""
+    parts = rss_parts_mb(pid)
+    return None if parts is None else sum(parts)
 
 
 def metric(text: str, name: str) -> float:
@@ -102,7 +109,7 @@ async def soak(args) -> dict:
         before = await probe_answers(client, model, words)
         metrics_before = (await client.get("/metrics")).text
         stats = {"requests": 0, "aborted": 0, "tokens": 0, "ttft": [], "itl": [], "errors": Counter()}
-        rss = [(0.0, rss_mb(args.pid))]
+        rss, parts = [(0.0, rss_mb(args.pid))], [(0.0, rss_parts_mb(args.pid))]
         lengths = [int(x) for x in args.lengths.split(",")]
         started = time.perf_counter()
         deadline = started + args.duration
@@ -118,7 +125,9 @@ async def soak(args) -> dict:
         async def sample_rss() -> None:
             while time.perf_counter() < deadline:
                 await asyncio.sleep(args.sample_every)
-                rss.append((round(time.perf_counter() - started, 1), rss_mb(args.pid)))
+                now = round(time.perf_counter() - started, 1)
+                rss.append((now, rss_mb(args.pid)))
+                parts.append((now, rss_parts_mb(args.pid)))
 
         await asyncio.gather(sample_rss(), *(stream_loop(args.seed * 1000 + i) for i in range(args.concurrency)))
         elapsed = time.perf_counter() - started
@@ -136,7 +145,7 @@ async def soak(args) -> dict:
                                                                                  "vllm:num_preemptions_total"),
         "kv_usage_idle": metric(metrics_after, "vllm:kv_cache_usage_perc"),
         "running_idle": metric(metrics_after, "vllm:num_requests_running"),
-        "rss_mb": rss, "probes_equal": before == after,
+        "rss_mb": rss, "rss_api_engine_mb": parts, "probes_equal": before == after,
     }
 
 
