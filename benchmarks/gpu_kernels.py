@@ -7,7 +7,7 @@
 2. Checks every available implementation (CUDA extension, Triton) against
    the reference on small shapes, for every mitigation and a staggered
    grid: two steps on compressed pages (whole prompts, then decodes and a
-   chunk), outputs against `reference_chunked_attention`, compressed pages
+   chunk), outputs against `masked_chunked_attention` (the reference, vectorised), compressed pages
    against PyTorch's `write_chunks` (max abs error, fp32).
 3. Times one layer's step (`write_chunks` + `attend`, as the backend runs
    them) for decode (one new token per request) and a prefill piece
@@ -39,10 +39,10 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_chunked_kv import layout
+from vllm_chunked_kv import grid, layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.reference import reference_chunked_attention
+from vllm_chunked_kv.ops.masked import masked_chunked_attention
 from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
 
 MITIGATIONS = ("none", "boundary", "overlap", "stride2")
@@ -125,7 +125,7 @@ def make_problem(seq_lens, q_lens, cfg: ChunkedKVConfig, args, device, dtype, *,
     per_block = layout.states_per_block(cfg, bs)
     num_reqs, width = len(seq_lens), args.num_kv_heads
     origins = cfg.origins(0, args.num_kv_heads)
-    keep = layout.forever_raw(cfg, origins)
+    keep = grid.forever_raw(cfg, origins)
     comp_table = _pages(num_reqs, math.ceil(max(seq_lens) / bs), device)
     raw_pages = math.ceil(max(seq_lens) / per_block)
     raw_table = _pages(num_reqs, raw_pages, device)
@@ -172,7 +172,7 @@ def full_bytes(seq_lens, args, dtype) -> int:
 def run_checks(impls: list[str], mitigations: list[str], args, device) -> list[dict]:
     """Each implementation against the reference, fp32, small shapes: a
     prefill of several requests and a mixed step after it (max abs error of
-    the outputs against `reference_chunked_attention`, and of the compressed
+    the outputs against `masked_chunked_attention` (the reference, vectorised), and of the compressed
     pages against PyTorch's `write_chunks`)."""
     small = argparse.Namespace(**{**vars(args), "num_heads": 8, "num_kv_heads": 2, "head_size": 64,
                                   "window": 16, "sink_tokens": 3})
@@ -219,7 +219,7 @@ def check_one(ops, cfg: ChunkedKVConfig, args, device) -> tuple[float, float]:
         write_err = max(write_err, (comp - want).abs().max().item())
         out = ops.attend(query, rows, comp, raw, plan, 0.125).float().cpu()
         for (r, (lo, hi)), got in zip([(r, lo_hi[r]) for r in reqs], out.split([hi - lo for lo, hi in lo_hi if hi > lo])):
-            ref = reference_chunked_attention(q[r][:hi], kv[r][:hi, :, :d], kv[r][:hi, :, d:], cfg, scale=0.125,
+            ref = masked_chunked_attention(q[r][:hi], kv[r][:hi, :, :d], kv[r][:hi, :, d:], cfg, scale=0.125,
                                               origins=origins)[lo:hi]
             attend_err = max(attend_err, (got - ref).abs().max().item())
     return attend_err, write_err

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.demo.cli import MITIGATION_MODES
+from vllm_chunked_kv.demo.modes import MITIGATION_MODES
 from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings
 
 DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4}

@@ -1,5 +1,5 @@
 // Launchers of the chunked KV kernels over the compressed layout
-// (vllm_chunked_kv/layout.py, docs/design.md §3-4, §10), free of torch headers so
+// (vllm_chunked_kv/layout.py and grid.py, docs/design.md §3-4, §10), free of torch headers so
 // that the kernels compile with nvcc alone, or with a host compiler for the
 // CPU emulation the tests use (CHUNKED_KV_CPU_EMULATION, cpu_emulation.h).
 // The torch binding (chunked_kv_ext.cpp) checks tensors and fills these
@@ -13,6 +13,11 @@
 namespace chunked_kv {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// The grid's named values (vllm_chunked_kv/grid.py): what compressed slot s of a
+// group of slots_per_group holds, and the group size with boundary retention.
+enum SlotKind : int { kPooled = 0, kFirst = 1, kLast = 2 };
+constexpr int kBoundarySlots = 3;  // slots per chunk with boundary retention (1 without)
 
 constexpr int kThreads = 128;     // threads of every block
 constexpr int kBlockKeys = 32;    // key rows an attention block folds in at a time

@@ -109,7 +109,7 @@ __device__ __forceinline__ void key_meta(const AttendArgs& a, const Tile& t, Sou
     const bool exists = slot_exists(idx, t.origin, t.first_group, a.sink_tokens, a.chunk_size, a.hop,
                                     a.slots_per_group);
     *tag = exists ? idx : -1;
-    *bias = slot_kind(idx, a.slots_per_group) == 0 ? a.log_weight : 0.f;
+    *bias = slot_kind(idx, a.slots_per_group) == kPooled ? a.log_weight : 0.f;
   }
 }
 

@@ -55,11 +55,13 @@ __device__ __forceinline__ Seal seal(int t, int window, int origin, int chunk_si
   return {sealed, sealed > 0 ? origin + (sealed - 1) * hop + chunk_size : origin};
 }
 
-// Slot s of a request: its slot group (a chunk's group) and its kind (0
-// pooled row, 1 first token, 2 last token), with 1 or 3 slots per group
-// (divisions by constants: no runtime integer division).
-__device__ __forceinline__ int slot_group(int s, int slots_per_group) { return slots_per_group == 3 ? s / 3 : s; }
-__device__ __forceinline__ int slot_kind(int s, int slots_per_group) { return slots_per_group == 3 ? s % 3 : 0; }
+// Slot s of a request: its slot group (a chunk's group) and its SlotKind,
+// with 1 or kBoundarySlots slots per group (divisions by constants: no
+// runtime integer division).
+__device__ __forceinline__ int slot_group(int s, int slots_per_group) {
+  return slots_per_group == kBoundarySlots ? s / kBoundarySlots : s;
+}
+__device__ __forceinline__ int slot_kind(int s, int slots_per_group) { return slots_per_group == kBoundarySlots ? s % kBoundarySlots : kPooled; }
 
 // Whether compressed slot `s` holds a row at all (whatever the query): its
 // chunk exists on this head's grid, a pooled row's chunk does not lie wholly
@@ -72,7 +74,7 @@ __device__ __forceinline__ bool slot_exists(int s, int origin, int first_group, 
   const int first = origin + k * hop;
   const int last = first + chunk_size - 1;
   if (k < 0) return false;
-  return kind == 1 ? first >= sink_tokens : last >= sink_tokens;
+  return kind == kFirst ? first >= sink_tokens : last >= sink_tokens;
 }
 
 __host__ __device__ __forceinline__ size_t align16(size_t bytes) { return (bytes + 15) & ~static_cast<size_t>(15); }

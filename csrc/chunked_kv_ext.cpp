@@ -116,7 +116,7 @@ void write_chunks(const Tensor& comp_cache, const Tensor& raw_cache, const Tenso
   const int64_t num_chunks = heads.numel(), chunk_size = src_blocks.dim() == 2 ? src_blocks.size(1) : 0;
   const int64_t slots_per_group = dst_blocks.dim() == 2 ? dst_blocks.size(1) : 0;
   TORCH_CHECK(chunk_size >= 1, "chunked_kv: src_blocks must be [chunks, chunk_size]");
-  TORCH_CHECK(slots_per_group == 1 || (slots_per_group == 3 && chunk_size >= 2),
+  TORCH_CHECK(slots_per_group == 1 || (slots_per_group == chunked_kv::kBoundarySlots && chunk_size >= 2),
               "chunked_kv: dst_blocks must be [chunks, 1] or [chunks, 3]");
   TORCH_CHECK(0 <= pool_lo && pool_lo <= pool_hi && pool_hi <= chunk_size, "chunked_kv: bad pooled slots");
   check_device(gains, comp_cache, "gains");
@@ -175,7 +175,7 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
               "chunked_kv: query, step rows and caches disagree in shape");
   TORCH_CHECK(out.size(0) == n && out.size(1) == num_heads && out.size(2) == head_dv, "chunked_kv: out has shape ",
               out.sizes(), ", expected [", n, ", ", num_heads, ", ", head_dv, "]");
-  TORCH_CHECK(chunk_size >= 1 && hop >= 1 && (slots_per_group == 1 || slots_per_group == 3) && tile_q >= 1 &&
+  TORCH_CHECK(chunk_size >= 1 && hop >= 1 && (slots_per_group == 1 || slots_per_group == chunked_kv::kBoundarySlots) && tile_q >= 1 &&
                   num_splits >= 1,
               "chunked_kv: bad chunk_size, hop, slots_per_group, tile_q or num_splits");
   const int64_t num_rows = query_index.size(0), num_q = query_index.dim() == 2 ? query_index.size(1) : 0;

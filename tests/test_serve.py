@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from vllm_chunked_kv.testing.server import VllmServer
+from vllm_chunked_kv.local_server import VllmServer
 
 pytestmark = pytest.mark.server
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_chunked_kv.testing.server import run_serve_expecting_failure
+from vllm_chunked_kv.local_server import run_serve_expecting_failure
 
 pytestmark = pytest.mark.server
 

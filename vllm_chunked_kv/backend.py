@@ -41,12 +41,12 @@ from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
-from vllm_chunked_kv.raw_cache import PagedRows, attach_raw_pages
-from vllm_chunked_kv.registration import BACKEND_NAME
+from vllm_chunked_kv.integration.raw_cache import PagedRows, attach_raw_pages
+from vllm_chunked_kv.integration import BACKEND_NAME
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
 
-_active_config: ChunkedKVConfig | None = None  # set by the first impl of this process
+_active_config: ChunkedKVConfig | None = None  # set by every impl (all read the same engine config)
 
 
 def active_config() -> ChunkedKVConfig:
@@ -104,7 +104,7 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
         cfg = active_config()
         if spec.block_size % layout.block_multiple(cfg):
             return spec
-        return replace(spec, tokens_per_state=layout.tokens_per_state(cfg))
+        return replace(spec, tokens_per_state=layout.spec_tokens_per_state(cfg))
 
 
 @dataclass
@@ -200,7 +200,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self._origins_cache: tuple[int, ...] | None = None
         self._raw_pages = None
         device = vllm_config.device_config.device if vllm_config.device_config is not None else None
-        impl = dispatch.choose(device, cfg=self.config, head_size=head_size, group=num_heads // num_kv_heads)
+        impl = dispatch.choose(device, head_size=head_size, group=num_heads // num_kv_heads)
         self.ops = dispatch.ops(impl)
         logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
 
@@ -271,7 +271,4 @@ def global_kv_heads(rank: int, world: int, local: int, total: int) -> list[int]:
 
 def _step_metadata(layer_name: str):
     """This step's metadata of another layer (the companion's cache group)."""
-    metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):  # speculative decoding: [0] is the base model's
-        metadata = metadata[0]
-    return metadata[layer_name]
+    return get_forward_context().attn_metadata[layer_name]

@@ -20,6 +20,26 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# name -> the extra that brings its dependencies (the core install is the backend only)
+EXTRAS = {"demo": "demo", "scan": "scan", "models": "models", "adapt": "demo"}
+EXTRA_PACKAGES = {"numpy", "scipy", "matplotlib", "openai", "httpx", "safetensors", "gguf", "accelerate"}
+
+
+def _run(name: str, rest: list[str]) -> int:
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        sub_parser = argparse.ArgumentParser(prog=f"vllm-chunked-kv {name}", description=SUBCOMMANDS[name][1])
+        module.add_arguments(sub_parser)
+        return int(module.run(sub_parser.parse_args(rest)) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if name not in EXTRAS or missing not in EXTRA_PACKAGES:
+            raise
+        print(f"error: `vllm-chunked-kv {name}` needs {missing!r}: pip install 'vllm-chunked-kv[{EXTRAS[name]}]'",
+              file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="vllm-chunked-kv", description=__doc__.splitlines()[0])
@@ -30,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub_parser = argparse.ArgumentParser(prog=f"vllm-chunked-kv {name}", description=SUBCOMMANDS[name][1])
-    module.add_arguments(sub_parser)
-    return int(module.run(sub_parser.parse_args(rest)) or 0)
+    return _run(name, rest)
 
 
 if __name__ == "__main__":

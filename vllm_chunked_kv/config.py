@@ -23,6 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from vllm_chunked_kv.presets import PRESETS, PresetError, preset_values
+
 ADDITIONAL_CONFIG_KEY = "chunked_kv"
 GAINS_FILE = "chunked_kv_gains.json"  # learned per-slot gains shipped in a model directory
 
@@ -55,7 +57,7 @@ def fail(field: str | None, detail: str) -> PydanticCustomError:
 
 
 _CHOICES = {
-    "mitigation": ("none", "boundary", "overlap", "stride2", "stagger"),
+    "mitigation": tuple(PRESETS),
     "pooling": ("mean", "gated", "key_norm"),
 }
 
@@ -121,10 +123,10 @@ class _ChunkedKVFields(BaseModel):
     interior only (needs chunk_size >= 3 and hop == chunk_size).
     None: filled by the mitigation preset."""
 
-    mitigation: Literal["none", "boundary", "overlap", "stride2", "stagger"] = "none"
-    """Preset: none (hop = chunk_size), boundary (keep_boundary), overlap
-    (hop = chunk_size / 2), stride2 (chunk_size = hop = 2), stagger
-    (stagger = 'heads')."""
+    mitigation: Literal[tuple(PRESETS)] = "none"  # type: ignore[valid-type]
+    """Preset (`presets.PRESETS`): none (hop = chunk_size), boundary
+    (keep_boundary), overlap (hop = chunk_size / 2), stride2 (chunk_size =
+    hop = 2), stagger (stagger = 'heads')."""
 
     stagger: Literal["none", "heads"] | list[list[int]] = "none"
     """Per-KV-head grid origins (docs/design.md §10): 'none' (all 0), 'heads' (KV
@@ -247,12 +249,10 @@ class ChunkedKVConfig(_ChunkedKVFields):
 
     @property
     def tokens_per_state(self) -> Fraction:
-        """Tokens of the compressed region per stored state (what vLLM's spec
-        declares): chunk_size / 3 with boundary retention (the pooled row and
-        two raw boundary rows per chunk), else hop (one pooled row per hop)."""
-        if self.keep_boundary:
-            return Fraction(self.chunk_size, 3)
-        return Fraction(self.hop)
+        """Tokens of the compressed region per stored state (`grid.tokens_per_state`)."""
+        from vllm_chunked_kv import grid
+
+        return grid.tokens_per_state(self)
 
     @property
     def rows_per_chunk(self) -> Fraction:
@@ -310,31 +310,11 @@ class ChunkedKVConfig(_ChunkedKVFields):
 
 def _preset_values(cfg: _ChunkedKVFields) -> dict[str, Any]:
     """Values the mitigation preset fills in; raise on explicit contradictions."""
-    explicit = {name for name in cfg.model_fields_set if getattr(cfg, name) is not None}
-    chunk_size = cfg.chunk_size
-    wanted: dict[str, Any] = {}
-    if cfg.mitigation == "stride2":
-        wanted = {"chunk_size": 2, "hop": 2, "keep_boundary": False}
-        chunk_size = 2
-    elif cfg.mitigation == "boundary":
-        wanted = {"hop": chunk_size, "keep_boundary": True}
-    elif cfg.mitigation == "overlap":
-        if chunk_size % 2:
-            raise fail("chunk_size", f"mitigation 'overlap' needs an even chunk_size (got {chunk_size})")
-        wanted = {"hop": chunk_size // 2, "keep_boundary": False}
-    elif cfg.mitigation == "stagger" and cfg.stagger == "none":
-        if "stagger" in explicit:
-            raise fail("stagger", "mitigation 'stagger' needs stagger 'heads' or a list of origins (got 'none')")
-        wanted = {"stagger": "heads"}
-    for name, value in wanted.items():
-        if name in explicit and getattr(cfg, name) != value:
-            raise fail(name, f"mitigation {cfg.mitigation!r} sets {name} = {value!r} (got {getattr(cfg, name)!r})")
-    # The baseline for whatever is still unset (every preset agrees on it).
-    if cfg.hop is None and "hop" not in wanted:
-        wanted["hop"] = chunk_size
-    if cfg.keep_boundary is None and "keep_boundary" not in wanted:
-        wanted["keep_boundary"] = False
-    return wanted
+    explicit = {name: getattr(cfg, name) for name in cfg.model_fields_set if getattr(cfg, name) is not None}
+    try:
+        return preset_values(cfg.mitigation, cfg.chunk_size, explicit)
+    except PresetError as exc:
+        raise fail(exc.field, exc.detail) from None
 
 
 def _check_cross_fields(cfg: ChunkedKVConfig) -> None:

@@ -22,26 +22,22 @@ Every attention layer has two paged caches (docs/design.md §3-4, §10):
 Rows are written in the step in which a chunk's last token is computed;
 attention reads sealed chunks from the compressed pages and everything else
 from the raw pages. The functions here are the single source of those
-indices; `ops/step_plan.py` turns them into gather tensors.
+paging sizes; the grid itself (seal rule, slot groups, slot kinds) is
+`grid.py`, and `ops/step_plan.py` turns both into gather tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from fractions import Fraction
 
+from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 
 
-def slots_per_group(cfg: ChunkedKVConfig) -> int:
-    """Stored rows per sealed chunk: pooled row, plus two boundary rows."""
-    return 3 if cfg.keep_boundary else 1
-
-
-def tokens_per_state(cfg: ChunkedKVConfig) -> int | Fraction:
-    """Tokens per stored row of the compressed pages (vLLM's spec field):
-    an int where it is one, so vLLM's integer-only checks apply."""
-    value = Fraction(cfg.hop, slots_per_group(cfg))
+def spec_tokens_per_state(cfg: ChunkedKVConfig) -> int | Fraction:
+    """`grid.tokens_per_state` as vLLM's spec field wants it: an int where it
+    is one, so vLLM's integer-only checks apply."""
+    value = grid.tokens_per_state(cfg)
     return int(value) if value.denominator == 1 else value
 
 
@@ -65,12 +61,7 @@ def states_per_block(cfg: ChunkedKVConfig, block_size: int) -> int:
     """Rows in one compressed page of `block_size` tokens."""
     if block_size % block_multiple(cfg):
         raise ValueError(f"block size {block_size} is not a multiple of hop {cfg.hop}")
-    return block_size // cfg.hop * slots_per_group(cfg)
-
-
-def first_group(cfg: ChunkedKVConfig, origin: int) -> int:
-    """Slot group of chunk 0 of a head whose grid starts at `origin`."""
-    return (origin + cfg.chunk_size - 1) // cfg.hop
+    return block_size // cfg.hop * grid.slots_per_group(cfg)
 
 
 def raw_window(cfg: ChunkedKVConfig) -> int:
@@ -82,36 +73,9 @@ def raw_window(cfg: ChunkedKVConfig) -> int:
     return cfg.window + cfg.chunk_size - 1
 
 
-def forever_raw(cfg: ChunkedKVConfig, origins: Sequence[int]) -> int:
-    """Leading positions kept raw for the whole request: sinks, and the
-    positions before a head's grid origin."""
-    return max(cfg.sink_tokens, max(origins, default=0))
-
-
 def model_forever_raw(cfg: ChunkedKVConfig, num_kv_heads_total: int) -> int:
-    """`forever_raw` over every KV head of every layer (what one raw-page spec,
+    """`grid.forever_raw` over every KV head of every layer (what one raw-page spec,
     shared by all layers, must keep)."""
     if isinstance(cfg.stagger, list):
-        return forever_raw(cfg, [o for heads in cfg.stagger for o in heads])
-    return forever_raw(cfg, cfg.origins(0, num_kv_heads_total))
-
-
-def num_sealed(cfg: ChunkedKVConfig, t: int, origin: int) -> int:
-    """Sealed chunks (0 .. K-1) of a head for a query at position `t`."""
-    slack = t - cfg.window - (origin + cfg.chunk_size - 1)
-    return slack // cfg.hop + 1 if slack >= 0 else 0
-
-
-def raw_from(cfg: ChunkedKVConfig, t: int, origin: int) -> int:
-    """First position of the raw region after the last sealed chunk (the
-    origin when nothing is sealed)."""
-    sealed = num_sealed(cfg, t, origin)
-    return origin + (sealed - 1) * cfg.hop + cfg.chunk_size if sealed else origin
-
-
-def completed_chunks(cfg: ChunkedKVConfig, start: int, end: int, origin: int) -> range:
-    """Chunks whose last token lies in positions `[start, end)`: the chunks a
-    step computing those positions writes into the compressed pages."""
-    lo = max(0, -(-(start - origin - cfg.chunk_size + 1) // cfg.hop))
-    hi = (end - origin - cfg.chunk_size) // cfg.hop + 1
-    return range(lo, max(lo, hi))
+        return grid.forever_raw(cfg, [o for heads in cfg.stagger for o in heads])
+    return grid.forever_raw(cfg, cfg.origins(0, num_kv_heads_total))

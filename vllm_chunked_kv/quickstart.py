@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_chunked_kv.testing.server import VllmServer
+    from vllm_chunked_kv.local_server import VllmServer
 
     model = Path(args.model) if args.model else demo_model_dir()
     if model is None:

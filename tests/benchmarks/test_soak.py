@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from vllm_chunked_kv.testing.server import VllmServer
+from vllm_chunked_kv.local_server import VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

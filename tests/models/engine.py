@@ -60,7 +60,7 @@ def _main() -> None:
     spec = json.loads(sys.stdin.read())
     from vllm import LLM, SamplingParams
 
-    from vllm_chunked_kv.kv_footprint import capacity_tokens
+    from vllm_chunked_kv.serving.kv_footprint import capacity_tokens
 
     llm = LLM(spec["model"], **spec["engine"])
     pieces = _record_schedules(llm)

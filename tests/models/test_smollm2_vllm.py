@@ -42,7 +42,7 @@ import pytest
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.kv_footprint import footprint, uncompressed_bytes_per_token
+from vllm_chunked_kv.serving.kv_footprint import footprint, uncompressed_bytes_per_token
 
 from .engine import run
 from .prompts import CAPITAL_QUESTION, make_rounds

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import torch
 
-from vllm_chunked_kv import layout
+from vllm_chunked_kv import grid, layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.reference import reference_chunked_attention
@@ -59,7 +59,7 @@ class Pager:
         self.cfg, self.origins, self.block_size, self.cache_all = cfg, origins, block_size, cache_all
         self.per_block = layout.states_per_block(cfg, block_size)
         self.raw_block_size = self.per_block  # equal pages, as the backend declares them
-        self.keep = layout.forever_raw(cfg, origins)
+        self.keep = grid.forever_raw(cfg, origins)
         self.device = device
         self.comp = torch.zeros((64 * num_reqs, num_kv_heads, self.per_block, row), dtype=dtype, device=device)
         self.raw = torch.full((256 * num_reqs, num_kv_heads, self.raw_block_size, row), float("nan"), dtype=dtype,

@@ -52,4 +52,3 @@ def test_stored_rows_per_token():
         cfg = ChunkedKVConfig(**settings)
         block_size = 4 * cfg.hop
         assert layout.states_per_block(cfg, block_size) * cfg.tokens_per_state == block_size, name
-        assert layout.tokens_per_state(cfg) == cfg.tokens_per_state, name

@@ -76,7 +76,7 @@ def test_cpu_only_compiles_nothing(monkeypatch):
         warnings.simplefilter("always")
         assert cuda_ext.load() is None
         reasons = cuda_ext.unavailable_reasons()
-        assert cuda_ext.unsupported(None, 128, 128, 8) == []  # nothing loaded: the reason above says why
+        assert cuda_ext.unsupported(128, 128, 8) == []  # nothing loaded: the reason above says why
     assert caught == []
     assert len(reasons) == 1 and "CUDA device" in reasons[0] and cuda_ext.BUILD_ENV in reasons[0]
 
@@ -122,10 +122,9 @@ def test_limits_are_reasons_without_a_build(monkeypatch):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("unsupported() compiled"))
-    cfg = ChunkedKVConfig(chunk_size=128, window=128)
-    assert len(cuda_ext.unsupported(cfg, 512, 512, cuda_ext.MAX_GROUP + 1)) == 2
-    assert len(cuda_ext.unsupported(cfg, 128, cuda_ext.MAX_HEAD_SIZE + 1, 4)) == 1
-    assert cuda_ext.unsupported(cfg, cuda_ext.MAX_HEAD_SIZE, cuda_ext.MAX_HEAD_SIZE, cuda_ext.MAX_GROUP) == []
+    assert len(cuda_ext.unsupported(512, 512, cuda_ext.MAX_GROUP + 1)) == 2
+    assert len(cuda_ext.unsupported(128, cuda_ext.MAX_HEAD_SIZE + 1, 4)) == 1
+    assert cuda_ext.unsupported(cuda_ext.MAX_HEAD_SIZE, cuda_ext.MAX_HEAD_SIZE, cuda_ext.MAX_GROUP) == []
 
 
 # ------------------------------------------------------------ compile checks
@@ -362,11 +361,10 @@ def test_emulated_binding_rejects_strided_rows(emulated):
 
 
 def test_unsupported_reports_shared_memory_beyond_the_device(emulated, monkeypatch):
-    cfg = ChunkedKVConfig(**CONFIGS["none"])
-    assert cuda_ext.unsupported(cfg, 256, 256, cuda_ext.MAX_GROUP) == []  # fits the emulated H100
+    assert cuda_ext.unsupported(256, 256, cuda_ext.MAX_GROUP) == []  # fits the emulated H100
     monkeypatch.setattr(emulated, "device_limits", lambda device: (4, 99 * 1024))  # an sm_86's limit
-    assert cuda_ext.unsupported(cfg, 128, 128, 8) == []
-    reasons = cuda_ext.unsupported(cfg, 256, 256, cuda_ext.MAX_GROUP)
+    assert cuda_ext.unsupported(128, 128, 8) == []
+    reasons = cuda_ext.unsupported(256, 256, cuda_ext.MAX_GROUP)
     assert len(reasons) == 1 and "shared memory" in reasons[0]
 
 

@@ -21,7 +21,6 @@ from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, dispatch
 
 torch.set_num_threads(1)
-CFG = ChunkedKVConfig(chunk_size=4, window=8, sink_tokens=2, mitigation="boundary", pooling="key_norm")
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +58,7 @@ def test_unknown_implementation_is_an_error():
 
 
 def test_cpu_picks_torch():
-    assert dispatch.choose("cpu", cfg=CFG, head_size=16) == "torch"
+    assert dispatch.choose("cpu", head_size=16) == "torch"
 
 
 def _pretend(monkeypatch, reasons_by_impl):
@@ -83,20 +82,20 @@ def _pretend(monkeypatch, reasons_by_impl):
 )
 def test_cuda_device_order(monkeypatch, reasons, expected):
     _pretend(monkeypatch, reasons)
-    assert dispatch.choose("cuda", cfg=CFG, head_size=64) == expected
+    assert dispatch.choose("cuda", head_size=64) == expected
 
 
 def test_cuda_kernel_limits_fall_back_to_triton(monkeypatch):
     _pretend(monkeypatch, {})
-    assert dispatch.choose("cuda", cfg=CFG, head_size=64, group=16) == "triton"  # the fake's CUDA limit is 8
+    assert dispatch.choose("cuda", head_size=64, group=16) == "triton"  # the fake's CUDA limit is 8
 
 
 def test_cuda_limits_are_reasons():
     from vllm_chunked_kv.ops import cuda_ext
 
-    reasons = cuda_ext.unsupported(ChunkedKVConfig(chunk_size=128, window=128), 512, 512, 64)
+    reasons = cuda_ext.unsupported(512, 512, 64)
     assert len(reasons) == 2 and "512" in reasons[1] and "64" in reasons[0]
-    assert cuda_ext.unsupported(CFG, 128, 128, 8) == []
+    assert cuda_ext.unsupported(128, 128, 8) == []
 
 
 def test_forcing_an_implementation(monkeypatch):

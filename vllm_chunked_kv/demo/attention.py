@@ -2,7 +2,7 @@
 
 Registers an attention function named `chunked_kv` with transformers'
 `AttentionInterface`. The compression itself is the reference's
-(`ops.reference.extended_kv`: the pooled rows and the additive mask of
+(`ops.masked.extended_kv`: the pooled rows and the additive mask of
 docs/design.md §3-4, §10); this module only batches it: the batch is folded into
 the KV-head axis, which the reference treats independently, and one softmax
 runs over the extended key set. Gradients flow through the pooling, so the
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.reference import extended_kv
+from vllm_chunked_kv.ops.masked import extended_kv
 
 ATTN_NAME = "chunked_kv"
 _CONFIG_ATTR = "chunked_kv_config"

@@ -23,20 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.demo.modes import MITIGATION_MODES, rows_per_token
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "model"
 DEFAULT_STAGGER_MODEL_DIR = Path(__file__).parent / "model_stagger"
 PHASES = 4  # the demo's chunk size: phase = position mod 4
 OFFSETS = 8  # the period search looks at position mod 8 (periods 2..4 repeat at least twice)
-# The mitigation presets every demo and benchmark compares (settings over chunk 4).
-MITIGATION_MODES: dict[str, dict] = {
-    "none": {"mitigation": "none"},
-    "boundary": {"mitigation": "boundary"},
-    "overlap": {"mitigation": "overlap"},
-    "stride2": {"mitigation": "stride2", "chunk_size": 2},
-    "stagger": {"mitigation": "stagger"},
-}
 MODES: dict[str, dict | None] = {
     "default backend": None,
     **MITIGATION_MODES,
@@ -74,13 +66,6 @@ def mode_settings(mode: str, args) -> dict | None:
 def mode_model(mode: str, args) -> Path:
     """The model directory `mode` serves."""
     return Path(getattr(args, MODE_MODELS.get(mode, "model")))
-
-
-def rows_per_token(settings: dict | None) -> float:
-    """Stored KV rows per long-context token: 1 for full attention, else 1 / tokens_per_state."""
-    if settings is None:
-        return 1.0
-    return float(1 / ChunkedKVConfig.from_additional_config({"chunked_kv": settings}).tokens_per_state)
 
 
 def build_prompts(per_group: int, seed: int):

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.demo.cli import MITIGATION_MODES, rows_per_token
+from vllm_chunked_kv.demo.modes import MITIGATION_MODES, rows_per_token
 from vllm_chunked_kv.tasks.prose_codes import TASK_FILE
 
 CHUNKED = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
@@ -60,7 +60,7 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path) -> 
     """Serve `model` in `settings` and run the scanner's needle probe against it; its summary."""
     from vllm_chunked_kv.scan import cli as scan_cli
     from vllm_chunked_kv.scan.session import scan
-    from vllm_chunked_kv.testing.server import VllmServer
+    from vllm_chunked_kv.local_server import VllmServer
 
     parser = argparse.ArgumentParser()
     scan_cli.add_arguments(parser)

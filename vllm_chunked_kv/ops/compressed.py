@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, StepPlan
@@ -67,7 +66,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
     key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
     pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
-    kept = [pooled] + ([rows[:, 0], rows[:, -1]] if layout.slots_per_group(cfg) == 3 else [])
+    kept = [pooled] + ([rows[:, 0], rows[:, -1]] if cfg.keep_boundary else [])  # grid.SlotKind order
     comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = torch.stack(kept, dim=1)
 
 

@@ -42,7 +42,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_chunked_kv import layout
+from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
@@ -126,7 +126,7 @@ def unavailable_reasons() -> list[str]:
     return [_state["reason"]]
 
 
-def unsupported(cfg: ChunkedKVConfig | None, head_size: int, head_size_v: int, group: int) -> list[str]:
+def unsupported(head_size: int, head_size_v: int, group: int) -> list[str]:
     """Shapes beyond the kernels' limits (see the module docstring); with
     the extension loaded, also a decode tile beyond the device's shared memory."""
     reasons = []
@@ -227,7 +227,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
                       c(keys.query_index), c(keys.query_positions), c(keys.raw_blocks), c(keys.raw_offsets),
                       c(keys.raw_positions), c(keys.num_raw), c(keys.comp_blocks), c(keys.comp_offsets),
                       c(keys.num_slots), origins, float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens,
-                      cfg.chunk_size, cfg.hop, layout.slots_per_group(cfg), tile, splits)
+                      cfg.chunk_size, cfg.hop, grid.slots_per_group(cfg), tile, splits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -28,7 +28,6 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed
 
 IMPLS = ("cuda", "triton", "torch")
@@ -43,8 +42,8 @@ def _device(device) -> torch.device:
     return torch.device(device)
 
 
-def available(impl: str, device=None, *, cfg: ChunkedKVConfig | None = None, head_size: int | None = None,
-              head_size_v: int | None = None, group: int = 1) -> list[str]:
+def available(impl: str, device=None, *, head_size: int | None = None, head_size_v: int | None = None,
+              group: int = 1) -> list[str]:
     """Reasons why ``impl`` cannot run on ``device`` (default: the CUDA
     device if there is one, else the CPU) for these settings and shapes;
     an empty list when it can."""
@@ -60,7 +59,7 @@ def available(impl: str, device=None, *, cfg: ChunkedKVConfig | None = None, hea
 
         reasons = cuda_ext.unavailable_reasons()
         if head_size is not None:
-            reasons += cuda_ext.unsupported(cfg, head_size, head_size_v or head_size, group)
+            reasons += cuda_ext.unsupported(head_size, head_size_v or head_size, group)
         return reasons
     return _triton_reasons(device)
 
@@ -89,21 +88,20 @@ def _triton_reasons(device: torch.device) -> list[str]:
     return []
 
 
-def choose(device=None, *, impl: str | None = None, cfg: ChunkedKVConfig | None = None,
-           head_size: int | None = None, head_size_v: int | None = None, group: int = 1) -> str:
+def choose(device=None, *, impl: str | None = None, head_size: int | None = None, head_size_v: int | None = None,
+           group: int = 1) -> str:
     """The implementation to use (see the module docstring for the order).
     ``impl`` (else ``CHUNKED_KV_IMPL``) names one: it is checked, not searched."""
     device = _device(device)
     forced = impl or os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    chunk_size = None if cfg is None else cfg.chunk_size
-    return _choose(device.type, forced, chunk_size, head_size, head_size_v, group, cfg)
+    return _choose(device.type, forced, head_size, head_size_v, group)
 
 
-def _choose(device_type: str, forced: str, chunk_size, head_size, head_size_v, group, cfg) -> str:
-    key = (device_type, forced, chunk_size, head_size, head_size_v, group)
+def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str:
+    key = (device_type, forced, head_size, head_size_v, group)  # what the choice depends on
     if key in _choices:
         return _choices[key]
-    shapes = dict(cfg=cfg, head_size=head_size, head_size_v=head_size_v, group=group)
+    shapes = dict(head_size=head_size, head_size_v=head_size_v, group=group)
     if forced != "auto":
         if forced not in IMPLS:
             raise ValueError(f"implementation {forced!r} (from impl= or {IMPL_ENV}): choose from auto, {', '.join(IMPLS)}")

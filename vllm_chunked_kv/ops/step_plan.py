@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_chunked_kv import layout
+from vllm_chunked_kv import grid, layout
+from vllm_chunked_kv.grid import SlotKind
 from vllm_chunked_kv.config import ChunkedKVConfig
 
 NULL_PAGE = 0  # vLLM's null block: the first block of its pool, what never-stored pages map to
@@ -127,18 +128,18 @@ def _raw_writes(batch: PagedBatch) -> torch.Tensor:
 
 def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q_lens: list[int],
                   device) -> ChunkWrites:
-    spg = layout.slots_per_group(cfg)
+    spg = grid.slots_per_group(cfg)
     per_block = layout.states_per_block(cfg, batch.block_size)
     reqs, heads, firsts, counts = [], [], [], []
     zero_reqs, zero_heads, zero_slots = [], [], []
     for r, seq_len in enumerate(batch.seq_lens):
         start = seq_len - q_lens[r]
         for h, origin in enumerate(origins):
-            chunks = layout.completed_chunks(cfg, start, seq_len, origin)
+            chunks = grid.completed_chunks(cfg, start, seq_len, origin)
             if not chunks:
                 continue
             reqs.append(r), heads.append(h), firsts.append(chunks.start), counts.append(len(chunks))
-            unused = layout.first_group(cfg, origin) * spg
+            unused = grid.first_group(cfg, origin) * spg
             if chunks.start == 0 and unused:
                 zero_reqs += [r] * unused
                 zero_heads += [h] * unused
@@ -151,13 +152,13 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
     req = torch.tensor(reqs, **long)[run]  # [M]
     head = torch.tensor(heads, **long)[run]  # [M]
     origin = torch.tensor(origins, **long)[head]  # [M]
-    positions = (origin + k * cfg.hop)[:, None] + torch.arange(cfg.chunk_size, **long)  # [M, chunk_size]
+    positions = grid.chunk_start(cfg, k, origin)[:, None] + torch.arange(cfg.chunk_size, **long)  # [M, chunk_size]
     src_blocks = batch.raw_block_table[req[:, None], positions // batch.raw_block_size]  # [M, chunk_size]
     firsts_t = torch.tensor([batch.first_position(r) for r in range(len(batch.seq_lens))], **long)  # [R]
     starts_t = torch.tensor(batch.query_start[:-1], **long)  # [R]
     in_step = positions >= firsts_t[req][:, None]  # [M, chunk_size]
     src_step = torch.where(in_step, starts_t[req][:, None] + positions - firsts_t[req][:, None], -1)
-    group = k + (origin + cfg.chunk_size - 1) // cfg.hop  # [M] slot group (layout.first_group + k)
+    group = k + grid.first_group(cfg, origin)  # [M] slot group
     slots = (group * spg)[:, None] + torch.arange(spg, **long)  # [M, spg]
     dst_blocks = batch.block_table[req[:, None], slots // per_block]  # [M, spg]
     zero_req = torch.tensor(zero_reqs, **long)  # [Z]
@@ -183,17 +184,15 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
     request), padded to the longest request."""
     device = batch.block_table.device
     long = dict(dtype=torch.long, device=device)
-    spg = layout.slots_per_group(cfg)
-    keep = layout.forever_raw(cfg, origins)
+    keep = grid.forever_raw(cfg, origins)
     raw_pos, num_slots, queries = [], [], []
     for r in reqs:
         seq_len, first = batch.seq_lens[r], batch.first_position(r)
-        window_from = min(layout.raw_from(cfg, first, o) for o in origins)
+        window_from = min(grid.raw_from(cfg, first, o) for o in origins)
         # Stored raw rows: kept leading rows and the raw region before the step.
         raw_pos.append(list(range(min(keep, first))) + list(range(min(max(keep, window_from), first), first)))
-        groups = [layout.first_group(cfg, o) + layout.num_sealed(cfg, seq_len - 1, o)
-                  for o in origins if layout.num_sealed(cfg, seq_len - 1, o)]
-        num_slots.append(spg * max(groups, default=0))
+        num_slots.append(max((grid.visible_slots(cfg, seq_len - 1, o) for o in origins
+                              if grid.num_sealed(cfg, seq_len - 1, o)), default=0))
         queries.append(list(range(first, seq_len)))
     num_raw = max(map(len, raw_pos))
     req_t = torch.tensor(reqs, **long)[:, None]  # [b, 1]
@@ -229,30 +228,23 @@ def _bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos:
     """Additive mask ``[b, Hkv, L, Nr + L + Nc]`` for queries at positions ``t
     [b, L]`` over stored raw rows at ``raw_pos [b, Nr]``, the queries' own
     rows, and compressed ``slots [b, Nc]``."""
-    hop, chunk_size = cfg.hop, cfg.chunk_size
     q = t[:, None, :, None]  # [b, 1, L, 1]
     o = origins[None, :, None, None]  # [1, Hkv, 1, 1]
-    slack = q - cfg.window - (o + chunk_size - 1)  # [b, Hkv, L, 1]
-    sealed = torch.where(slack >= 0, torch.div(slack, hop, rounding_mode="floor") + 1, 0)  # [b, Hkv, L, 1]
-    raw_from = torch.where(sealed > 0, o + (sealed - 1) * hop + chunk_size, o)  # [b, Hkv, L, 1]
     j = torch.cat([raw_pos, t], dim=1)[:, None, None, :]  # [b, 1, 1, Nr + L] stored rows, then the step's
     valid = torch.cat([raw_valid, torch.ones_like(t, dtype=torch.bool)], dim=1)[:, None, None, :]
-    raw_vis = ((j < cfg.sink_tokens) | (j < o) | (j >= raw_from)) & (j <= q) & valid  # [b, Hkv, L, Nr + L]
-    spg = layout.slots_per_group(cfg)
+    raw_vis = ((j < cfg.sink_tokens) | (j < o) | (j >= grid.raw_from(cfg, q, o))) & (j <= q) & valid  # [b, Hkv, L, Nr + L]
     s = slots[:, None, None, :]  # [b, 1, 1, Nc]
-    kind = s % spg  # 0 pooled row, 1 first token, 2 last token
-    first_group = (o + chunk_size - 1) // hop  # [1, Hkv, 1, 1]
-    k = torch.div(s, spg, rounding_mode="floor") - first_group  # [b, Hkv, 1, Nc] chunk index
-    first = o + k * hop  # [b, Hkv, 1, Nc] first position of the chunk
-    last = first + chunk_size - 1
+    kind = grid.slot_kind(cfg, s)  # [b, 1, 1, Nc]
+    k = grid.slot_chunk(cfg, s, o)  # [b, Hkv, 1, Nc]
     # What does not depend on the query: a row exists (a pooled row unless the
     # chunk lies wholly in the sinks; a kept boundary token that is also a sink
     # is attended once, as a sink) ...
-    exists = (k >= 0) & slot_valid[:, None, None, :] & torch.where(kind == 1, first >= cfg.sink_tokens,
-                                                                   last >= cfg.sink_tokens)
-    # ... and what does: the chunk is sealed, i.e. k < sealed, i.e. s < spg * (sealed + first_group).
-    slot_vis = exists & (s < spg * (sealed + first_group))  # [b, Hkv, L, Nc]
-    row_bias = torch.where(kind == 0, cfg.log_weight, 0.0).to(torch.float32)  # [b, 1, 1, Nc]
+    exists = (k >= 0) & slot_valid[:, None, None, :] & torch.where(
+        kind == SlotKind.FIRST, grid.chunk_start(cfg, k, o) >= cfg.sink_tokens,
+        grid.chunk_last(cfg, k, o) >= cfg.sink_tokens)
+    # ... and what does: the chunk is sealed for the query.
+    slot_vis = exists & (s < grid.visible_slots(cfg, q, o))  # [b, Hkv, L, Nc]
+    row_bias = torch.where(kind == SlotKind.POOLED, cfg.log_weight, 0.0).to(torch.float32)  # [b, 1, 1, Nc]
     num_raw = raw_vis.shape[-1]
     bias = torch.empty((*slot_vis.shape[:-1], num_raw + slot_vis.shape[-1]), dtype=torch.float32, device=t.device)
     hidden = torch.full((), float("-inf"), dtype=torch.float32, device=t.device)

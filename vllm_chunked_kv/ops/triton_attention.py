@@ -30,18 +30,21 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_chunked_kv import layout
+from vllm_chunked_kv import grid
 from vllm_chunked_kv.ops.step_plan import KeySet, StepPlan
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
+SLOT_POOLED = tl.constexpr(int(grid.SlotKind.POOLED))  # the grid's slot kinds, by name in the kernels
+SLOT_FIRST = tl.constexpr(int(grid.SlotKind.FIRST))
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite start of the running max (see _chunked_kv_online_update)
 
 
 @triton.jit
 def _chunked_kv_seal(t, window, origin, CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr):
     """For query position(s) ``t``: (number of sealed chunks, first position of
-    the raw region after them) on a grid starting at ``origin`` (docs/design.md §3, §10)."""
+    the raw region after them) on a grid starting at ``origin``: `grid.num_sealed`
+    and `grid.raw_from` in kernel form."""
     slack = t - window - (origin + CHUNK_SIZE - 1)
     sealed = tl.where(slack >= 0, tl.maximum(slack, 0) // HOP + 1, 0)
     raw_from = tl.where(sealed > 0, origin + (sealed - 1) * HOP + CHUNK_SIZE, origin)
@@ -63,13 +66,13 @@ def _chunked_kv_slot_visible(n, ok, sealed, origin, first_group, sink_tokens,
     -> ``[ROWS, N]``, and whether each slot is a pooled row ``[N]``. A chunk
     wholly inside the sinks has no pooled row; a boundary token that is a
     sink is seen once, as a sink."""
-    kind = n % SPG  # 0 pooled row, 1 first token, 2 last token
+    kind = n % SPG  # a grid.SlotKind
     k = n // SPG - first_group  # chunk index
     first = origin + k * HOP
     last = first + CHUNK_SIZE - 1
-    exists = ok & (k >= 0) & tl.where(kind == 1, first >= sink_tokens, last >= sink_tokens)
+    exists = ok & (k >= 0) & tl.where(kind == SLOT_FIRST, first >= sink_tokens, last >= sink_tokens)
     visible = exists[None, :] & (n[None, :] < SPG * (sealed[:, None] + first_group))
-    return visible, kind == 0
+    return visible, kind == SLOT_POOLED
 
 
 @triton.jit
@@ -250,7 +253,7 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
     return dict(
         NUM_Q_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_M=tile_m, ROWS=rows,
         HEAD_D=head_d, D_P2=triton.next_power_of_2(head_d), HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
-        CHUNK_SIZE=cfg.chunk_size, HOP=cfg.hop, SPG=layout.slots_per_group(cfg),
+        CHUNK_SIZE=cfg.chunk_size, HOP=cfg.hop, SPG=grid.slots_per_group(cfg),
         BLOCK_N=16 if INTERPRETED else 64, NUM_SPLITS=splits,
         USE_DOT=rows >= 16 and head_d >= 16 and head_dv >= 16,
         num_warps=4 if rows <= 32 else 8,

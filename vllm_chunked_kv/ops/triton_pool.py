@@ -18,13 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_chunked_kv import layout
+from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
 # A finite "minus infinity": masked slots get weight exp(-1e30 - max) == 0
 # without the NaN that exp(-inf - -inf) gives on a fully masked row.
+BOUNDARY_SLOTS = tl.constexpr(grid.BOUNDARY_SLOTS)  # slots per group with boundary retention
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 
@@ -132,7 +133,7 @@ def _chunked_kv_write_chunks_kernel(
     value_row = _chunked_kv_pool_rows(weights, values)  # [BLOCK_C, DV_P2]
     _chunked_kv_store_row(comp_ptr, dst_block, dst_offset, head, chunk_ok, key_row, value_row,
                           stride_cb, stride_ch, stride_cs, HEAD_D, D_P2, HEAD_DV, DV_P2)
-    if SPG == 3:  # boundary retention: the first and last raw rows follow the pooled row
+    if SPG == BOUNDARY_SLOTS:  # boundary retention: the first and last raw rows follow the pooled row
         for edge in tl.static_range(2):
             pick = (slot == edge * (CHUNK_SIZE - 1))[None, :, None]  # [1, CS_P2, 1]
             e_block = tl.load(dst_blocks_ptr + dst + 1 + edge, mask=chunk_ok, other=0)
@@ -181,5 +182,5 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
         comp_cache.stride(0), comp_cache.stride(1), comp_cache.stride(2),
         HEAD_D=head_size, D_P2=triton.next_power_of_2(head_size),
         HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
-        SPG=layout.slots_per_group(cfg), BLOCK_C=block_chunks, **pooling_constants(cfg),
+        SPG=grid.slots_per_group(cfg), BLOCK_C=block_chunks, **pooling_constants(cfg),
     )

@@ -27,7 +27,7 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
     if cache_dtype.startswith("fp8"):
         raise ChunkedKVConfigError(
-            None, f"--kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16)"
+            None, f"--kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16, float32)"
         )
     _check_paging(cfg, vllm_config, cache_config)
 

@@ -1,4 +1,4 @@
-"""Contract of `vllm_chunked_kv.phase_registry`: both stores keep the newest
+"""Contract of `vllm_chunked_kv.serving.phase_registry`: both stores keep the newest
 `capacity` records and drop the oldest; a record is claimed once (a second
 claim says "already rated", an absent id "unknown"); the SQLite store is
 shared by separate OS processes (one API server records, another claims);
@@ -11,8 +11,8 @@ import multiprocessing
 
 import pytest
 
-from vllm_chunked_kv import phase_registry
-from vllm_chunked_kv.phase_registry import (
+from vllm_chunked_kv.serving import phase_registry
+from vllm_chunked_kv.serving.phase_registry import (
     Claim,
     MemoryPhaseRegistry,
     PhaseRecord,

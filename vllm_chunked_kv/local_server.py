@@ -1,4 +1,4 @@
-"""Start and stop a real `vllm serve` subprocess on 127.0.0.1.
+"""Start and stop a real `vllm serve` subprocess on 127.0.0.1 (quickstart, demo, tests, benchmarks).
 
 The server runs in its own process group and is stopped by PID (the whole
 group, so the spawned engine goes too). Its log is kept in a file so tests
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,16 +50,15 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float, name: str, log_
     """Poll ``url`` until it answers 200. If the process exits first, or
     ``timeout`` passes (the process group is then stopped), raise with the
     server's ``name`` and ``log_tail()``."""
-    import httpx
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready:\n{log_tail()}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (OSError, ValueError):  # refused, reset, timed out, HTTP errors (URLError is an OSError)
             pass
         time.sleep(poll)
     stop_group(proc)

@@ -1,22 +1,24 @@
 """Make `--attention-backend chunked_kv` select our backend, on CUDA and CPU.
 
-Three things, all idempotent:
+Four things, all idempotent:
 
 1. add `CHUNKED_KV` to vLLM's `AttentionBackendEnum` (vLLM's registry);
 2. make that dynamically added member picklable: the engine process is
    spawned and unpickles the config before it has loaded plugins, so the
    member reduces to a call that registers the plugin and looks it up by name;
 3. validate `--additional-config '{"chunked_kv": ...}'` when vLLM builds its
-   config, so a bad value stops startup with one line (see `cli_errors`);
+   config, so a bad value stops startup with one line (`startup_checks`);
 4. on the CPU platform, whose `get_attn_backend_cls` ignores every selection
    but CPU_ATTN, route an explicit CHUNKED_KV selection to our class. The
    default selection (nothing asked) stays CPU_ATTN.
+
+The patches go through `compat`, which also warns once when the installed
+vLLM is not the release this package was tested with.
 """
 
 from __future__ import annotations
 
-BACKEND_NAME = "CHUNKED_KV"
-BACKEND_PATH = "vllm_chunked_kv.backend.ChunkedKVBackend"
+from vllm_chunked_kv.integration import BACKEND_NAME, BACKEND_PATH, compat
 
 
 def _lookup_member(name: str):
@@ -27,22 +29,16 @@ def _lookup_member(name: str):
     return AttentionBackendEnum[name]
 
 
-def _reduce_member(self, protocol=None):
-    return (_lookup_member, (self.name,))
-
-
 def register_backend() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.registry import register_backend as vllm_register
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         vllm_register(BACKEND_NAME, BACKEND_PATH)
-    member = AttentionBackendEnum[BACKEND_NAME]
-    # Instance attributes win over the Enum class's reducer for this member only.
-    member.__reduce_ex__ = _reduce_member.__get__(member)
+    compat.make_enum_member_picklable(AttentionBackendEnum[BACKEND_NAME], _lookup_member)
     _route_cpu_selection()
     _validate_config_at_startup()
-    from vllm_chunked_kv.startup_checks import install_excepthook
+    from vllm_chunked_kv.integration.startup_checks import install_excepthook
 
     install_excepthook()
 
@@ -54,22 +50,20 @@ def _route_cpu_selection() -> None:
         return  # CUDA honours any selection whose validate_configuration passes
     from vllm.platforms.cpu import CpuPlatform
 
-    original = CpuPlatform.get_attn_backend_cls.__func__
-    if getattr(original, "_chunked_kv_routed", False):
-        return
+    def make(original):
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if selected_backend is not None and getattr(selected_backend, "name", None) == BACKEND_NAME:
+                from vllm_chunked_kv.backend import ChunkedKVBackend
 
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if selected_backend is not None and getattr(selected_backend, "name", None) == BACKEND_NAME:
-            from vllm_chunked_kv.backend import ChunkedKVBackend
+                reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
+                if reasons:
+                    raise ValueError(f"{BACKEND_NAME} cannot serve this model: " + "; ".join(reasons))
+                return BACKEND_PATH
+            return original(cls, selected_backend, attn_selector_config, num_heads)
 
-            reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
-            if reasons:
-                raise ValueError(f"{BACKEND_NAME} cannot serve this model: " + "; ".join(reasons))
-            return BACKEND_PATH
-        return original(cls, selected_backend, attn_selector_config, num_heads)
+        return get_attn_backend_cls
 
-    get_attn_backend_cls._chunked_kv_routed = True  # type: ignore[attr-defined]
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    compat.patch_classmethod(CpuPlatform, "get_attn_backend_cls", make)
 
 
 def _selected(vllm_config) -> bool:
@@ -97,20 +91,18 @@ def _validate_config_at_startup() -> None:
     """Check our settings whenever vLLM finishes a VllmConfig (every process)."""
     from vllm.platforms import current_platform
 
-    platform_cls = type(current_platform)
-    original = platform_cls.check_and_update_config.__func__
-    if getattr(original, "_chunked_kv_validates", False):
-        return
+    def make(original):
+        def check_and_update_config(cls, vllm_config) -> None:
+            original(cls, vllm_config)
+            if _selected(vllm_config):
+                from vllm_chunked_kv.config import ChunkedKVConfig
+                from vllm_chunked_kv.integration.startup_checks import check_engine_support
 
-    def check_and_update_config(cls, vllm_config) -> None:
-        original(cls, vllm_config)
-        if _selected(vllm_config):
-            from vllm_chunked_kv.config import ChunkedKVConfig
-            from vllm_chunked_kv.startup_checks import check_engine_support
+                compat.check_version()
+                cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
+                _log_defaults_once(vllm_config, cfg)
+                check_engine_support(cfg, vllm_config)
 
-            cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
-            _log_defaults_once(vllm_config, cfg)
-            check_engine_support(cfg, vllm_config)
+        return check_and_update_config
 
-    check_and_update_config._chunked_kv_validates = True  # type: ignore[attr-defined]
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    compat.patch_classmethod(type(current_platform), "check_and_update_config", make)

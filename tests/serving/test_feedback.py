@@ -1,4 +1,4 @@
-"""Contract of `vllm_chunked_kv.feedback`, mounted the way vLLM mounts it
+"""Contract of `vllm_chunked_kv.serving.feedback`, mounted the way vLLM mounts it
 (its plugin loader, its exception handlers): POST /v1/chunked_kv/feedback
 answers 200 with the phase and counts the outcome under the phase, engine
 and model the stat logger recorded; 404 for an unknown id, 409 for a second
@@ -20,11 +20,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
-from vllm_chunked_kv import phase_registry
+from vllm_chunked_kv.serving import phase_registry
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.feedback import CONFIG_PATH, ENV_WAIT, FEEDBACK_PATH, ChunkedKVFeedbackPlugin
-from vllm_chunked_kv.metric_families import get_metrics
-from vllm_chunked_kv.phase_registry import MemoryPhaseRegistry, PhaseRecord
+from vllm_chunked_kv.serving.feedback import CONFIG_PATH, ENV_WAIT, FEEDBACK_PATH, ChunkedKVFeedbackPlugin
+from vllm_chunked_kv.serving.metric_families import get_metrics
+from vllm_chunked_kv.serving.phase_registry import MemoryPhaseRegistry, PhaseRecord
 
 SECTION = {"chunk_size": 8, "mitigation": "boundary", "window": 32}
 MODEL = "feedback-test-model"

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.testing.server import VllmServer
+from vllm_chunked_kv.local_server import VllmServer
 
 pytestmark = pytest.mark.server
 

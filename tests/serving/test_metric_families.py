@@ -1,4 +1,4 @@
-"""Contract of `vllm_chunked_kv.metric_families` (docs/design.md §6): every metric
+"""Contract of `vllm_chunked_kv.serving.metric_families` (docs/design.md §6): every metric
 is named `vllm_chunked_kv_<noun>_<unit>`, counters end in `_total`, every
 metric carries vLLM's base labels, and no label can take unbounded values;
 the objects are created once per process and expose exactly the names in
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from vllm_chunked_kv.metric_families import BASE_LABELS, SPECS, get_metrics, markdown_table
+from vllm_chunked_kv.serving.metric_families import BASE_LABELS, SPECS, get_metrics, markdown_table
 
 README = Path(__file__).resolve().parents[2] / "docker" / "README.md"
 UNIT_SUFFIXES = ("_tokens", "_bytes_per_token", "_ratio", "_info")
@@ -62,5 +62,5 @@ def test_readme_table_matches_code():
     table = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert table == markdown_table(), (
         "docker/README.md metrics table is stale; regenerate with "
-        "`python -m vllm_chunked_kv.metric_families`"
+        "`python -m vllm_chunked_kv.serving.metric_families`"
     )

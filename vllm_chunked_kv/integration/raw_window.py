@@ -43,6 +43,8 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from vllm_chunked_kv.integration import compat
+
 
 @dataclass(frozen=True, kw_only=True)
 class RawWindowSpec(SlidingWindowSpec):
@@ -113,7 +115,7 @@ class RawWindowManager(SlidingWindowManager):
 
     def _tail_blocks(self) -> int:
         """Cached pages a prefix hit needs right before its (page-aligned) end, as vLLM counts them."""
-        return self._contiguous_blocks_for_hit(self.sliding_window, self.block_size, False)
+        return compat.blocks_for_hit(self, self.sliding_window, self.block_size)
 
     def _in_tail(self, page: int, interval: int) -> bool:
         """Whether `page` lies in the tail before a multiple of `interval` tokens (0: never)."""
@@ -133,7 +135,7 @@ class RawWindowManager(SlidingWindowManager):
         start = max(self.sink_blocks, self._dropped_until.get(request_id, 0))
         freed = [blocks[i] for i in range(skipped - 1, start - 1, -1) if not blocks[i].is_null]
         for i in range(start, skipped):
-            blocks[i] = self._null_block
+            blocks[i] = compat.null_block(self)
         if freed:
             self.block_pool.free_blocks(freed)
         self._dropped_until[request_id] = max(start, skipped)
@@ -158,7 +160,7 @@ class RawWindowManager(SlidingWindowManager):
             # sink pages among them are kept, and may be eviction candidates.
             skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
             kept_sinks = new_computed_blocks[: min(self.sink_blocks, max(0, skipped - held))]
-            needed += self._get_num_evictable_blocks(kept_sinks)
+            needed += compat.num_evictable_blocks(self, kept_sinks)
         if apply_admission_cap:
             return needed  # the whole-sequence admission gate: bounded by the spec's cap
         if not running:
@@ -186,7 +188,7 @@ class RawWindowManager(SlidingWindowManager):
                 end = min((page + count) * self.block_size, num_tokens)
                 new += super().allocate_new_blocks(request_id, end, num_tokens_main_model)
             else:
-                nulls = [self._null_block] * count
+                nulls = [compat.null_block(self)] * count
                 req_blocks.extend(nulls)
                 new += nulls
             page += count
@@ -203,7 +205,7 @@ class RawWindowManager(SlidingWindowManager):
         blocks = list(new_computed_blocks)
         if skipped > self.sink_blocks:
             assert len(blocks) >= self.sink_blocks, "a cache hit past the window must include the sink pages"
-            blocks = blocks[: self.sink_blocks] + [self._null_block] * (skipped - self.sink_blocks) + blocks[skipped:]
+            blocks = blocks[: self.sink_blocks] + [compat.null_block(self)] * (skipped - self.sink_blocks) + blocks[skipped:]
             self._dropped_until[request_id] = skipped
         kept = [block for block in blocks if not block.is_null]
         if self.enable_caching:
@@ -212,7 +214,7 @@ class RawWindowManager(SlidingWindowManager):
             assert not kept, "Computed blocks should be empty when prefix caching is disabled"
         req_blocks.extend(blocks)
         self.num_cached_block[request_id] = len(req_blocks)
-        assert not self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens), (
+        assert not compat.has_partial_local_hit(self, new_computed_blocks, num_local_computed_tokens), (
             "sliding-window hits end on a page boundary")
 
     @classmethod
@@ -261,7 +263,7 @@ class RawWindowManager(SlidingWindowManager):
 def register() -> None:
     """Add the spec to vLLM's registry (vLLM's own specs first: the registry
     fills itself only while empty)."""
-    KVCacheSpecRegistry._ensure_registered()
+    compat.ensure_spec_registry()
     KVCacheSpecRegistry.register(RawWindowSpec, RawWindowManager, uniform_type_base_spec=RawWindowSpec)
 
 

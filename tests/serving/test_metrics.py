@@ -1,4 +1,4 @@
-"""Contract of `vllm_chunked_kv.metrics.ChunkedKVStatLogger`, driven through
+"""Contract of `vllm_chunked_kv.serving.metrics.ChunkedKVStatLogger`, driven through
 vLLM's own plugin loader and StatLoggerManager with a real VllmConfig:
 every finished request is counted (requests, prompt and generated tokens)
 under phase = prompt tokens mod hop, hop taken from the configuration (not
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from vllm_chunked_kv import phase_registry
-from vllm_chunked_kv.metric_families import OUTCOMES
-from vllm_chunked_kv.metrics import ChunkedKVStatLogger
-from vllm_chunked_kv.phase_registry import Claim, MemoryPhaseRegistry
+from vllm_chunked_kv.serving import phase_registry
+from vllm_chunked_kv.serving.metric_families import OUTCOMES
+from vllm_chunked_kv.serving.metrics import ChunkedKVStatLogger
+from vllm_chunked_kv.serving.phase_registry import Claim, MemoryPhaseRegistry
 
 # chunk 12 with 50% overlap: hop 6, so a phase is prompt tokens mod 6, not mod 12.
 SECTION = {"chunk_size": 12, "mitigation": "overlap", "window": 48, "sink_tokens": 2}

@@ -20,9 +20,9 @@ from typing import Any
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.kv_footprint import attention_backend_name, footprint_from_vllm_config
-from vllm_chunked_kv.metric_families import OUTCOMES, get_metrics
-from vllm_chunked_kv.phase_registry import PhaseRecord, get_phase_registry
+from vllm_chunked_kv.serving.kv_footprint import attention_backend_name, footprint_from_vllm_config
+from vllm_chunked_kv.serving.metric_families import OUTCOMES, get_metrics
+from vllm_chunked_kv.serving.phase_registry import PhaseRecord, get_phase_registry
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.raw_window import RawWindowSpec
+from vllm_chunked_kv.integration.raw_window import RawWindowSpec
 
 SUFFIX = ".chunked_kv_raw"
 

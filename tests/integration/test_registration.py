@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import vllm_chunked_kv
-from vllm_chunked_kv.registration import BACKEND_NAME, BACKEND_PATH
+from vllm_chunked_kv.integration import BACKEND_NAME, BACKEND_PATH
 
 
 def test_register_is_idempotent():

@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.raw_window, driven through vLLM's own BlockPool:
+"""Contract of vllm_chunked_kv.integration.raw_window, driven through vLLM's own BlockPool:
 
 - a step gets pages only for the sinks and for its window at the end of the
   step (the predicted count is what it takes from the pool, and the new
@@ -29,7 +29,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_chunked_kv.raw_window import RawWindowManager, RawWindowSpec
+from vllm_chunked_kv.integration.raw_window import RawWindowManager, RawWindowSpec
 
 BLOCK = 4
 

@@ -1,4 +1,4 @@
-"""Contract of `vllm_chunked_kv.kv_footprint`: uncompressed bytes per token
+"""Contract of `vllm_chunked_kv.serving.kv_footprint`: uncompressed bytes per token
 is 2 (K, V) x layers x KV heads x head size x dtype bytes, read from the
 model through vLLM's config; compression counts only when CHUNKED_KV is the
 selected backend, and then the ratio is docs/design.md §4's: chunk_size tokens
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.kv_footprint import (
+from vllm_chunked_kv.serving.kv_footprint import (
     capacity_tokens,
     chunked_backend_active,
     footprint,

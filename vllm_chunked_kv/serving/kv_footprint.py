@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-BACKEND_NAME = "CHUNKED_KV"
+from vllm_chunked_kv.integration import BACKEND_NAME
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vllm_chunked_kv.metric_families import get_metrics
-from vllm_chunked_kv.phase_registry import Claim, PhaseRecord, get_phase_registry
+from vllm_chunked_kv.serving.metric_families import get_metrics
+from vllm_chunked_kv.serving.phase_registry import Claim, PhaseRecord, get_phase_registry
 
 FEEDBACK_PATH = "/v1/chunked_kv/feedback"
 CONFIG_PATH = "/v1/chunked_kv/config"
@@ -117,7 +117,7 @@ async def get_config(request: Request) -> JSONResponse:
 def config_view(vllm_config: Any) -> dict[str, Any]:
     """What GET /v1/chunked_kv/config answers: settings, backend, footprint."""
     from vllm_chunked_kv.config import ChunkedKVConfig
-    from vllm_chunked_kv.kv_footprint import attention_backend_name, chunked_backend_active, footprint_from_vllm_config
+    from vllm_chunked_kv.serving.kv_footprint import attention_backend_name, chunked_backend_active, footprint_from_vllm_config
 
     cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
     fp = footprint_from_vllm_config(vllm_config, cfg.tokens_per_state)

@@ -1,0 +1,123 @@
+"""The chunk grid, once: where chunks lie, when they seal, what a slot holds.
+
+docs/design.md §3-4 and §10 in functions. Positions count from 0 at the
+first prompt token; each KV head has a grid origin ``o`` in ``[0, hop)``.
+Chunk ``k`` covers ``[o + k*hop, o + k*hop + chunk_size)``; a query at
+``t`` sees it compressed (it is *sealed*) once its last token is at least
+``window`` behind: ``o + k*hop + chunk_size - 1 <= t - window``.
+
+Every function takes the settings first (anything with ``chunk_size``,
+``hop``, ``window``, ``sink_tokens``, ``keep_boundary``: a
+`ChunkedKVConfig`) and works on Python ints and on broadcasting torch
+tensors alike, so the step plan, the reference and the tests share one
+definition. Triton and CUDA kernels receive the constants below by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from fractions import Fraction
+
+
+class SlotKind(IntEnum):
+    """What a compressed slot holds: slot ``s`` of a group of ``slots_per_group``
+    is of kind ``s % slots_per_group``."""
+
+    POOLED = 0  # the chunk's pooled row (logit bias log_weight)
+    FIRST = 1  # boundary retention: the chunk's first token, raw
+    LAST = 2  # boundary retention: the chunk's last token, raw
+
+
+BOUNDARY_SLOTS = len(SlotKind)  # slots per chunk with boundary retention; 1 without
+
+
+def slots_per_group(cfg) -> int:
+    """Stored slots per sealed chunk: the pooled row, plus the two boundary rows."""
+    return BOUNDARY_SLOTS if cfg.keep_boundary else 1
+
+
+def tokens_per_state(cfg) -> Fraction:
+    """Tokens of the compressed region per stored slot (what vLLM's spec
+    declares): hop / slots_per_group, i.e. chunk_size / 3 with boundary
+    retention (hop == chunk_size there), else hop."""
+    return Fraction(cfg.hop, slots_per_group(cfg))
+
+
+def _at_least_zero(x):
+    return x.clamp(min=0) if hasattr(x, "clamp") else max(x, 0)
+
+
+# --------------------------------------------------------------- chunks
+
+
+def chunk_start(cfg, k, origin=0):
+    """First position of chunk ``k``."""
+    return origin + k * cfg.hop
+
+
+def chunk_last(cfg, k, origin=0):
+    """Last position of chunk ``k`` (inclusive)."""
+    return origin + k * cfg.hop + cfg.chunk_size - 1
+
+
+def num_sealed(cfg, t, origin=0):
+    """Sealed chunks of a head for a query at ``t``: they are chunks ``0 .. K-1``."""
+    slack = t - cfg.window - chunk_last(cfg, 0, origin)
+    return _at_least_zero(slack // cfg.hop + 1)
+
+
+def raw_from(cfg, t, origin=0):
+    """First position after the last sealed chunk (the origin when none is
+    sealed): a query at ``t`` reads ``[raw_from, t]`` raw."""
+    sealed = num_sealed(cfg, t, origin)
+    return chunk_start(cfg, sealed, origin) + (cfg.chunk_size - cfg.hop) * (sealed > 0)
+
+
+def completed_chunks(cfg, start: int, end: int, origin: int = 0) -> range:
+    """Chunks whose last token lies in positions ``[start, end)``: what a
+    step computing those positions pools and stores."""
+    lo = max(0, -(-(start - origin - cfg.chunk_size + 1) // cfg.hop))
+    hi = (end - origin - cfg.chunk_size) // cfg.hop + 1
+    return range(lo, max(lo, hi))
+
+
+def forever_raw(cfg, origins: Sequence[int]) -> int:
+    """Leading positions kept raw for the whole request: the sinks, and the
+    positions before a head's grid origin."""
+    return max(cfg.sink_tokens, max(origins, default=0))
+
+
+def is_boundary(cfg, j, sealed, origin=0):
+    """Whether position ``j`` is the first or the last token of one of the
+    ``sealed`` chunks (kept raw with boundary retention)."""
+    first = j - origin
+    last = first - (cfg.chunk_size - 1)
+    return (((first >= 0) & (first % cfg.hop == 0) & (first // cfg.hop < sealed))
+            | ((last >= 0) & (last % cfg.hop == 0) & (last // cfg.hop < sealed)))
+
+
+# ---------------------------------------------------------------- slots
+
+
+def first_group(cfg, origin=0):
+    """Slot group of chunk 0: chunk ``k`` lives in group ``k + first_group``,
+    the group of the hop its last token falls in."""
+    return (origin + cfg.chunk_size - 1) // cfg.hop
+
+
+def slot_kind(cfg, slot):
+    """`SlotKind` value of compressed slot ``slot``."""
+    return slot % slots_per_group(cfg)
+
+
+def slot_chunk(cfg, slot, origin=0):
+    """Chunk stored in compressed slot ``slot`` (negative: a group below the
+    head's first chunk, never visible)."""
+    return slot // slots_per_group(cfg) - first_group(cfg, origin)
+
+
+def visible_slots(cfg, t, origin=0):
+    """Compressed slots ``[0, n)`` that may be visible to a query at ``t``:
+    the groups of its sealed chunks."""
+    return slots_per_group(cfg) * (num_sealed(cfg, t, origin) + first_group(cfg, origin))

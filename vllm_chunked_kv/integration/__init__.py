@@ -1,0 +1,9 @@
+"""Everything that plugs CHUNKED_KV into vLLM's insides: registration,
+startup checks, the raw pages' spec, manager and companion layer, and
+`compat`, the one list of vLLM members that are not plugin interfaces.
+
+Importing this package imports nothing from vLLM.
+"""
+
+BACKEND_NAME = "CHUNKED_KV"
+BACKEND_PATH = "vllm_chunked_kv.backend.ChunkedKVBackend"
