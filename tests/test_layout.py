@@ -13,23 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.test_grid import CONFIGS
 from vllm_chunked_kv import grid, layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
-
-CONFIGS = [
-    dict(mitigation="none", chunk_size=4, window=4),
-    dict(mitigation="boundary", chunk_size=5, window=6, sink_tokens=3),
-    dict(mitigation="overlap", chunk_size=6, window=6),
-    dict(mitigation="stride2", window=2),
-    dict(mitigation="none", chunk_size=8, hop=2, window=8),
-    dict(mitigation="none", chunk_size=1, window=1),
-]
-
-
-def chunk_end(cfg: ChunkedKVConfig, k: int, origin: int) -> int:
-    return reference.chunk_bounds(k, cfg, origin)[1] - 1
-
 
 @pytest.mark.parametrize("settings", CONFIGS)
 def test_chunks_live_in_the_page_of_their_last_token(settings):
@@ -42,7 +29,7 @@ def test_chunks_live_in_the_page_of_their_last_token(settings):
         assert len(set(groups)) == len(groups)
         for k, group in enumerate(groups):
             page = group * spg // per_block
-            assert page == chunk_end(cfg, k, origin) // block_size
+            assert page == grid.chunk_last(cfg, k, origin) // block_size
             assert (group * spg + spg - 1) // per_block == page  # all rows of a chunk in one page
 
 
@@ -74,4 +61,4 @@ def test_raw_window_covers_every_read(settings):
             assert all(j < max(cfg.sink_tokens, origin) or cfg.keep_boundary for j in raw if j < raw_from)
         for start in range(1, 60):
             for k in grid.completed_chunks(cfg, start, start + 1, origin):
-                assert chunk_end(cfg, k, origin) - cfg.chunk_size + 1 >= start - kept
+                assert grid.chunk_last(cfg, k, origin) - cfg.chunk_size + 1 >= start - kept
