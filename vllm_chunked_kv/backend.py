@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    MultipleOf,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -42,23 +43,9 @@ from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.integration.raw_cache import PagedRows, attach_raw_pages
-from vllm_chunked_kv.integration import BACKEND_NAME
+from vllm_chunked_kv.integration import BACKEND_NAME, settings
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
-
-_active_config: ChunkedKVConfig | None = None  # set by every impl (all read the same engine config)
-
-
-def active_config() -> ChunkedKVConfig:
-    """The settings of this process's engine. `customize_spec` runs outside
-    vLLM's config context, after the model (and so an impl) was built."""
-    if _active_config is not None:
-        return _active_config
-    vllm_config = get_current_vllm_config_or_none()
-    if vllm_config is None:
-        raise RuntimeError(f"{BACKEND_NAME}: no engine config in this process to read chunked_kv settings from")
-    return ChunkedKVConfig.from_vllm_config(vllm_config)
-
 
 class ChunkedKVBackend(PagedRows, AttentionBackend):
     """Capability sheet: what vLLM may ask of CHUNKED_KV."""
@@ -101,10 +88,23 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
         """Compressed pages: one stored state per `tokens_per_state` tokens.
         vLLM also probes with ``block_size=1``; a block size that cannot hold
         whole slot groups is refused at startup (`startup_checks`)."""
-        cfg = active_config()
+        cfg = settings.active_config()
         if spec.block_size % layout.block_multiple(cfg):
             return spec
         return replace(spec, tokens_per_state=layout.spec_tokens_per_state(cfg))
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        """Compressed pages hold whole slot groups: multiples of hop."""
+        cfg = settings.active_config_or_none()
+        return [MultipleOf(1 if cfg is None else layout.block_multiple(cfg))]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """The block size vLLM sets unless --block-size is given (on CUDA,
+        `Platform.update_block_size_for_backend`; on CPU, `startup_checks`)."""
+        cfg = settings.active_config_or_none()
+        return default_block_size if cfg is None else layout.default_block_size(cfg)
 
 
 @dataclass
@@ -190,11 +190,9 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = None
-        global _active_config
-
         vllm_config = get_current_vllm_config()
         self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
-        _active_config = self.config
+        settings.remember(self.config)
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._static_forward_context = vllm_config.compilation_config.static_forward_context
         self._origins_cache: tuple[int, ...] | None = None

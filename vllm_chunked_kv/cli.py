@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build-test-models": ("vllm_chunked_kv.testing.models", "build the tiny random-weight test models"),
     "models": ("vllm_chunked_kv.models.cli", "fetch a real model (checked, converted to bf16) and print its directory"),
     "adapt": ("vllm_chunked_kv.adapt.cli", "fine-tune a model to read its chunked KV cache (LoRA + distillation)"),
+    "doctor": ("vllm_chunked_kv.doctor", "which kernel implementation would run here, and why (no server)"),
 }
 
 

@@ -8,6 +8,10 @@ the outputs of `reference_chunked_attention` over the whole sequence within
 1e-5, for every mitigation, pooling mode, sinks and staggered grids; also
 with every row given its page (prefix caching on), where every row a step
 computes must land in its page (a later request may hit it).
+
+vLLM's padding slots (-1 in dummy batches) never reach a live page: every
+implementation stores raw rows through `compressed.write_raw`, which sends
+them to the null page and writes real rows where their slots say.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import torch
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import compressed, dispatch
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE
 
 from .schedule import CONFIGS, run_schedule
 
 torch.set_num_threads(1)
-
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -52,3 +57,15 @@ def test_stored_rows_per_token():
         cfg = ChunkedKVConfig(**settings)
         block_size = 4 * cfg.hop
         assert layout.states_per_block(cfg, block_size) * cfg.tokens_per_state == block_size, name
+
+
+@pytest.mark.parametrize("impl", dispatch.IMPLS)
+def test_pad_slots_never_reach_a_live_page(impl):
+    assert dispatch.ops(impl).write_raw is compressed.write_raw  # the one raw-row store of every implementation
+    raw = torch.zeros(4, 2, 8, 6)  # [blocks, Hkv, rows, Dk + Dv]
+    step_rows = torch.arange(1, 5, dtype=torch.float32).view(4, 1, 1).expand(4, 2, 6).clone()  # [n, Hkv, Dk + Dv]
+    slots = torch.tensor([-1, 8 * 2 + 3, -1, 8 * 1 + 0])  # tokens 0 and 2 are padding (-1 // 8 is the last page)
+    compressed.write_raw(raw, step_rows, slots, torch.arange(4))
+    assert torch.all(raw[2, :, 3] == 2) and torch.all(raw[1, :, 0] == 4)
+    live = [b for b in range(4) if b != NULL_PAGE]
+    assert int((raw[live] != 0).sum()) == 2 * 2 * 6  # the two real rows, nothing from the padding

@@ -7,6 +7,8 @@ settings are a valid configuration."""
 
 from __future__ import annotations
 
+import fnmatch
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -105,7 +107,12 @@ def test_build_context_keeps_what_the_image_installs(name):
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     needed = [p for p in tracked if p.startswith(("vllm_chunked_kv/", "scripts/")) and "__pycache__" not in p]
     needed += ["pyproject.toml", PYPROJECT["project"]["readme"]]
+    for sources in PYPROJECT["tool"]["setuptools"]["data-files"].values():  # the CUDA sources the wheel carries
+        needed += [p for p in tracked if any(fnmatch.fnmatch(p, pattern) for pattern in sources)]
+    assert any(p.startswith("csrc/") for p in needed)
     assert all(_sent_to_docker(p, patterns) for p in needed), [p for p in needed if not _sent_to_docker(p, patterns)]
+    kept = [raw[1:].rstrip("/") for raw in patterns if raw.startswith("!")]
+    assert all((ROOT / path).exists() for path in kept), [path for path in kept if not (ROOT / path).exists()]
     for unwanted in (".venv/bin/python", "tests/conftest.py", ".git/HEAD", "vllm_chunked_kv/__pycache__/x.pyc"):
         assert not _sent_to_docker(unwanted, patterns), unwanted
 
@@ -140,3 +147,13 @@ def test_shipped_settings_are_a_valid_configuration():
     assert int(env["API_SERVER_COUNT"]) >= 1
     extra = COMPOSE["services"]["vllm-cpu"]["environment"]["VLLM_EXTRA_ARGS"]
     assert "--kv-cache-memory-bytes" in shlex.split(extra.split(":-", 1)[1].rstrip("}"))
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cuda", "Dockerfile.cpu"])
+def test_modules_the_image_checks_exist(name):
+    """The image's build-time import check names modules of this package that exist."""
+    text = (DOCKER / name).read_text()
+    for imports in re.findall(r"import ([\w., ]+)", text):
+        for module in (m.strip() for m in imports.split(",")):
+            if module.startswith("vllm_chunked_kv"):
+                assert importlib.util.find_spec(module) is not None, module

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.integration import settings
 from vllm_chunked_kv.integration.raw_window import RawWindowSpec
 
 SUFFIX = ".chunked_kv_raw"
@@ -64,12 +65,8 @@ class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
 
 
 class PagedRows:
-    """Capability-sheet entries shared by both page sets: any block size, and
-    the ``[num_blocks, num_kv_heads, rows, head_size + head_size_v]`` layout."""
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
+    """Capability-sheet entry shared by both page sets: the
+    ``[num_blocks, num_kv_heads, rows, head_size + head_size_v]`` layout."""
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -78,6 +75,15 @@ class PagedRows:
 
 class RawPagesBackend(PagedRows, AttentionBackend):
     """What vLLM needs to allocate and describe the raw pages; no kernels."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        """Raw pages take any size of their own (asked with their spec). Asked
+        about the model's block size (no spec: `Platform.update_block_size_for_backend`
+        weighs every backend of the model), they follow the compressed pages'
+        preference, so the two agree on it."""
+        cfg = None if kv_cache_spec is not None else settings.active_config_or_none()
+        return [MultipleOf(1 if cfg is None else layout.default_block_size(cfg))]
 
     @staticmethod
     def get_name() -> str:

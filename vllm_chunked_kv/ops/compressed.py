@@ -25,17 +25,22 @@ import torch.nn.functional as F
 
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
-from vllm_chunked_kv.ops.step_plan import ChunkWrites, StepPlan
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan
 
 
 def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
     """Store the rows of `tokens` at their flat slots ``block * raw_block_size + offset``.
 
     step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V), slots ``[n]`` (vLLM's
-    slot mapping of the raw pages), tokens ``[w]`` (the rows to store).
+    slot mapping of the raw pages, -1 for padding), tokens ``[w]`` (the rows
+    to store). Every implementation stores raw rows through this function.
     """
-    slots = slots[tokens]  # [w]
+    # vLLM pads dummy batches with slot -1 (PAD_SLOT_ID); such rows go to the
+    # null page (`step_plan.NULL_PAGE`), which no plan reads, instead of the
+    # last page (-1 // block_size), which a live request may hold. No host sync.
     block_size = raw_cache.shape[2]
+    slots = slots[tokens]  # [w]
+    slots = torch.where(slots >= 0, slots, NULL_PAGE * block_size)  # [w]
     raw_cache[slots // block_size, :, slots % block_size, :] = step_rows[tokens].to(raw_cache.dtype)
 
 

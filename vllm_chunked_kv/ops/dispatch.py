@@ -36,7 +36,7 @@ IMPL_ENV = "CHUNKED_KV_IMPL"
 logger = logging.getLogger("vllm.chunked_kv.dispatch")
 
 
-def _device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -49,7 +49,7 @@ def available(impl: str, device=None, *, head_size: int | None = None, head_size
     an empty list when it can."""
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")
-    device = _device(device)
+    device = resolve_device(device)
     if impl == "torch":
         return []
     if impl == "cuda":
@@ -92,7 +92,7 @@ def choose(device=None, *, impl: str | None = None, head_size: int | None = None
            group: int = 1) -> str:
     """The implementation to use (see the module docstring for the order).
     ``impl`` (else ``CHUNKED_KV_IMPL``) names one: it is checked, not searched."""
-    device = _device(device)
+    device = resolve_device(device)
     forced = impl or os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
     return _choose(device.type, forced, head_size, head_size_v, group)
 
