@@ -1,8 +1,9 @@
 """CHUNKED_KV's output does not depend on how vLLM schedules the work: greedy
 tokens are identical with prefix caching on and off, with 32-token and
-4096-token steps, with each request alone or 8 at a time, and under forced
+4096-token steps, with each request alone or 8 at a time, under forced
 preemption (a KV budget too small for 8 at a time: the scheduler must have
-preempted, or the test fails), for every mitigation and for configs
+preempted, or the test fails), and with uniform decode batches planned on
+the device (`ops/decode_plan.py`; the log must say so), for every mitigation and for configs
 that compress (prompts far longer than the window) and use both kinds of
 page sets: compressed pages written at chunk completion, and raw pages with
 kept leading rows (sinks, staggered grid origins).
@@ -39,6 +40,8 @@ SCHEDULES = {
     "4096-token steps": dict(enable_prefix_caching=True, max_num_batched_tokens=4096),
     "one at a time": dict(enable_prefix_caching=True, max_num_batched_tokens=32, alone=True),
     "preempted": dict(enable_prefix_caching=True, max_num_batched_tokens=64, max_model_len=768, preempting=True),
+    "decodes planned on the device": dict(enable_prefix_caching=True, max_num_batched_tokens=32,
+                                          env={"CHUNKED_KV_DECODE_PLAN": "device"}),
 }
 
 
@@ -56,13 +59,16 @@ def run(model, settings: dict, schedule: dict, rounds) -> tuple[list[list[int]],
     """Greedy tokens of every prompt, in order, and the number of preemptions."""
     schedule = dict(schedule)
     alone = schedule.pop("alone", False)
+    env = schedule.pop("env", None)
     if schedule.pop("preempting", False):  # the same pressure whatever a config stores per token
         schedule["kv_cache_memory_bytes"] = int(PREEMPTING_KV * 4 / ChunkedKVConfig(**settings).tokens_per_state)
     if alone:
         rounds = [[prompt] for prompts in rounds for prompt in prompts]
     engine = dict(attention_backend="chunked_kv", additional_config={"chunked_kv": settings}, block_size=32,
                   **schedule)
-    result = generate(model, engine, rounds, max_tokens=MAX_TOKENS)
+    result = generate(model, engine, rounds, max_tokens=MAX_TOKENS, env=env)
+    if env:  # the mechanism ran, not only the outputs agree
+        assert "uniform decode batches are planned on the device" in result["log"]
     return [tokens for round_outputs in result["outputs"] for tokens in round_outputs], result["preemptions"]
 
 

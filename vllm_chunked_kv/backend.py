@@ -20,6 +20,7 @@ compressed pages, and the raw pages of its companion layer
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
@@ -41,6 +43,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.integration.raw_cache import PagedRows, attach_raw_pages
 from vllm_chunked_kv.integration import BACKEND_NAME, settings
@@ -109,13 +112,17 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
 
 @dataclass
 class ChunkedKVMetadata:
-    """Per-step request layout, shared by every layer of the group."""
+    """Per-step request layout, shared by every layer of the group. A uniform
+    decode batch planned on the device keeps its sequence lengths there
+    (`device_seq_lens`; `seq_lens` is then empty): building it waits for
+    nothing, as CUDA graphs need."""
 
     num_actual_tokens: int
     query_start: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs] positions computed after this step
     block_table: torch.Tensor  # [num_reqs, max_blocks] compressed pages
     block_size: int  # tokens per compressed page
+    device_seq_lens: torch.Tensor | None = None  # [num_reqs] when the decode plan is built on the device
     plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
 
     def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw, bias: bool) -> StepPlan:
@@ -123,15 +130,23 @@ class ChunkedKVMetadata:
         is the companion group's metadata of the same step; `bias`: whether
         the attention implementation reads the dense bias."""
         if origins not in self.plans:
-            batch = PagedBatch(
-                query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
-                block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
-            )
-            self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
+            if self.device_seq_lens is not None:
+                self.plans[origins] = build_decode_plan(self.device_seq_lens, self.block_table, self.block_size,
+                                                        raw.block_table, raw.block_size, cfg, list(origins), bias=bias)
+            else:
+                batch = PagedBatch(
+                    query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
+                    block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
+                )
+                self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
         return self.plans[origins]
 
 
 class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
+    """Uniform decode batches (one token per request) are planned on the
+    device when `decode_plan_on_device` says so, and may then be captured in
+    CUDA graphs; every other batch gets the Python plan."""
+
     def __init__(
         self,
         kv_cache_spec: AttentionSpec,
@@ -141,6 +156,15 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.device_decode_plan = decode_plan_on_device(device)
+        logger.info_once("chunked KV: uniform decode batches are planned %s",
+                         "on the device (CUDA-graph capturable)" if self.device_decode_plan else "in Python")
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        device = vllm_config.device_config.device if vllm_config.device_config is not None else None
+        on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"))
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if on_device else AttentionCGSupport.NEVER
 
     def build(
         self,
@@ -149,13 +173,29 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         fast_build: bool = False,
     ) -> ChunkedKVMetadata:
         m = common_attn_metadata
+        uniform_decode = self.device_decode_plan and m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs
         return ChunkedKVMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
-            seq_lens=m.seq_lens[: m.num_reqs].cpu().tolist(),
+            query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),  # host tensor: no device wait
+            seq_lens=[] if uniform_decode else m.seq_lens[: m.num_reqs].cpu().tolist(),
             block_table=m.block_table_tensor[: m.num_reqs],
             block_size=self.block_size,
+            device_seq_lens=m.seq_lens[: m.num_reqs] if uniform_decode else None,
         )
+
+
+DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
+
+
+def decode_plan_on_device(device: torch.device) -> bool:
+    """Whether uniform decode batches get the device-side plan
+    (`ops/decode_plan.py`): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
+    ``python``, or by default on CUDA devices only (on CPU the Python plan
+    gathers fewer slots)."""
+    choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
+    if choice not in ("auto", "device", "python"):
+        raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
+    return choice == "device" or (choice == "auto" and device.type == "cuda")
 
 
 class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):

@@ -255,6 +255,8 @@ def test_emulated_steps_equal_reference(emulated, name, group):
 
 
 SHAPES = [
+    ("stagger-heads", dict(group=4, decode_only=True, decode_plan=True)),  # the device-side decode plan
+    ("boundary-gated", dict(group=2, decode_only=True, decode_plan=True)),
     ("stagger-list", dict(group=3)),
     ("boundary-gated", dict(group=3, num_kv_heads=3)),
     ("overlap-key_norm", dict(head_size_v=12)),

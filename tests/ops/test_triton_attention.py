@@ -47,6 +47,8 @@ def test_steps_equal_reference(triton_ops, name, group):
         ("boundary-key_norm", dict(group=2, attend_kwargs=dict(num_splits=3))),
         ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),
         ("boundary-gated", dict(group=4, decode_only=True)),
+        ("boundary-gated", dict(group=2, decode_only=True, decode_plan=True)),  # the device-side decode plan
+        ("stagger-heads", dict(group=4, decode_only=True, decode_plan=True, attend_kwargs=dict(num_splits=2))),
         ("overlap", dict(group=4, dtype=torch.bfloat16, tol=3e-2)),
     ],
 )

@@ -70,7 +70,7 @@ class KeySet:
 
     Column ``n`` of the compressed part is the request's slot ``n`` (valid
     below ``num_slots``); which rows a query sees follows from the positions
-    and the config (`_bias`), so kernels recompute it instead of reading
+    and the config (`visibility_bias`), so kernels recompute it instead of reading
     ``bias``, which is only built for the PyTorch path."""
 
     query_index: torch.Tensor  # [batch, L] token index of each query; its rows are the step's own raw rows
@@ -208,7 +208,7 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
     t = torch.tensor(queries, **long)  # [b, L]: one query each, or one request's queries
     q_index = t - t[:, :1] + torch.tensor([batch.query_start[r] for r in reqs], **long)[:, None]  # [b, L]
     per_block = layout.states_per_block(cfg, batch.block_size)
-    bias = _bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, slot_valid) if with_bias else None
+    bias = visibility_bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, slot_valid) if with_bias else None
     return KeySet(
         query_index=q_index,
         query_positions=t,
@@ -223,7 +223,7 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
     )
 
 
-def _bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos: torch.Tensor,
+def visibility_bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos: torch.Tensor,
           raw_valid: torch.Tensor, slots: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
     """Additive mask ``[b, Hkv, L, Nr + L + Nc]`` for queries at positions ``t
     [b, L]`` over stored raw rows at ``raw_pos [b, Nr]``, the queries' own

@@ -23,10 +23,10 @@ ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="float32", max_model_len=1024,
 
 
 def generate(model: str, engine_kwargs: dict, rounds: list[list[list[int]]], max_tokens: int = 8,
-             timeout: float = 600) -> dict:
+             timeout: float = 600, env: dict[str, str] | None = None) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    return run_json_script([sys.executable, "-m", __name__], spec, timeout)
+    return run_json_script([sys.executable, "-m", __name__], spec, timeout, env=env)
 
 
 def run_json_script(argv: list[str], spec: dict, timeout: float | None, env: dict[str, str] | None = None,

@@ -1,0 +1,114 @@
+"""Contract of vllm_chunked_kv.ops.decode_plan: the device-side plan of a
+uniform decode batch is the Python plan of `step_plan.build_plan`.
+
+- On random decode schedules for every config of the schedule harness
+  (each mitigation, pooling, sinks, staggered grids), at every step: the
+  same raw writes; the same chunk writes and zeroed slots once the entries
+  aimed at the null page are set aside; for every request the same stored
+  raw rows in the same order, the same number of visible slots and the same
+  pages for them.
+- Through the schedule harness, decode steps planned on the device give the
+  reference's outputs (PyTorch path, with the dense bias).
+- Building it performs no host synchronisation: no ``.cpu()``, ``.item()``,
+  ``.tolist()``, ``.numpy()``, truth value or ``nonzero`` of a tensor.
+- A padding request (sequence length 0) writes nothing and reads nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE, build_plan
+
+from .schedule import CONFIGS, Pager, run_schedule
+
+torch.set_num_threads(1)
+
+
+def _write_entries(writes, device_plan: bool) -> set:
+    keep = writes.dst_blocks[:, 0] != NULL_PAGE if device_plan else torch.ones(len(writes.heads), dtype=torch.bool)
+    rows = zip(*(x[keep].tolist() for x in (writes.heads, writes.src_blocks, writes.src_offsets, writes.src_step,
+                                            writes.dst_blocks, writes.dst_offsets)))
+    return {tuple(map(lambda v: tuple(v) if isinstance(v, list) else v, row)) for row in rows}
+
+
+def _zero_entries(writes, device_plan: bool) -> set:
+    keep = writes.zero_blocks != NULL_PAGE if device_plan else torch.ones(len(writes.zero_heads), dtype=torch.bool)
+    return set(zip(*(x[keep].tolist() for x in (writes.zero_heads, writes.zero_blocks, writes.zero_offsets))))
+
+
+def _per_request(keys) -> list[tuple]:
+    out = []
+    for r in range(keys.query_index.shape[0]):
+        n, s = int(keys.num_raw[r]), int(keys.num_slots[r])
+        out.append((keys.raw_positions[r, :n].tolist(), keys.raw_blocks[r, :n].tolist(),
+                    keys.raw_offsets[r, :n].tolist(), s, keys.comp_blocks[r, :s].tolist(),
+                    keys.comp_offsets[r, :s].tolist(), keys.query_positions[r].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_equals_the_python_plan(name):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    origins = cfg.origins(0, 2)
+    rng = random.Random(len(name))
+    lengths = [rng.randint(1, 6 * cfg.window + 20) for _ in range(4)]
+    pager = Pager(cfg, origins, cfg.hop * rng.choice([2, 4]), len(lengths), num_kv_heads=2, row=4)
+    checked = 0
+    for step in range(max(lengths)):
+        steps = [(r, step, step + 1) for r in range(len(lengths)) if step < lengths[r]]
+        for r, _, hi in steps:
+            pager.allocate(r, hi)
+        batch = pager.batch(steps)
+        want = build_plan(batch, cfg, origins)
+        got = build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table, batch.block_size,
+                                batch.raw_block_table, batch.raw_block_size, cfg, origins)
+        assert got.raw_writes.tolist() == want.raw_writes.tolist()
+        assert _write_entries(got.writes, True) == _write_entries(want.writes, False)
+        assert _zero_entries(got.writes, True) == _zero_entries(want.writes, False)
+        (want_keys,), (got_keys,) = want.key_sets, got.key_sets
+        assert _per_request(got_keys) == _per_request(want_keys)
+        checked += bool(want.writes.heads.numel())
+    assert checked > 0  # chunks were completed along the way
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decode_steps_planned_on_the_device_equal_the_reference(name):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, [63, 100, 17], seed=3, decode_only=True, decode_plan=True) > 0
+
+
+class SyncGuard(torch.Tensor):
+    """A tensor that fails on every call that would wait for the device."""
+
+    FORBIDDEN = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
+                 torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.nonzero,
+                 torch.nonzero, torch.Tensor.any, torch.Tensor.all}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.FORBIDDEN:
+            raise AssertionError(f"host synchronisation: {getattr(func, '__name__', func)}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_building_waits_for_nothing():
+    cfg = ChunkedKVConfig(mitigation="boundary", chunk_size=4, window=8, sink_tokens=2)
+    seq_lens = torch.tensor([40, 1, 0, 77]).as_subclass(SyncGuard)
+    table = torch.arange(1, 4 * 10 + 1).view(4, 10).as_subclass(SyncGuard)
+    plan = build_decode_plan(seq_lens, table, 16, table, 12, cfg, [0, 0])
+    assert isinstance(plan.key_sets[0].comp_blocks, SyncGuard)  # the guard was there all along
+
+
+def test_padding_requests_do_nothing():
+    cfg = ChunkedKVConfig(chunk_size=4, window=4, sink_tokens=3)
+    table = torch.arange(1, 9).view(2, 4)
+    plan = build_decode_plan(torch.tensor([0, 9]), table, 8, table, 8, cfg, [0, 0])
+    keys = plan.key_sets[0]
+    assert keys.num_raw.tolist()[0] == 0 and keys.num_slots.tolist()[0] == 0
+    assert (plan.writes.dst_blocks.view(2, 2, -1)[0] == NULL_PAGE).all()

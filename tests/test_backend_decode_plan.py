@@ -1,0 +1,69 @@
+"""The backend's decode path as CUDA graphs need it.
+
+- `ChunkedKVMetadataBuilder.build` for a uniform decode batch, with the
+  device-side plan on, and the plan built from its metadata wait for
+  nothing: no ``.cpu()``, ``.item()``, ``.tolist()`` or truth value of a
+  device tensor (`SyncGuard` fails on each); a mixed batch still reads its
+  sequence lengths on the host and gets the Python plan.
+- The builder declares CUDA-graph support for uniform single-token decode
+  exactly when the device-side plan is on (by default: on CUDA devices).
+- In a real engine on CPU with ``CHUNKED_KV_DECODE_PLAN=device`` the log
+  says decodes are planned on the device, and greedy tokens equal those of
+  the Python plan, for every mitigation and stagger.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport
+
+from tests.ops.test_decode_plan import SyncGuard
+from vllm_chunked_kv.backend import ChunkedKVMetadataBuilder, decode_plan_on_device
+from vllm_chunked_kv.config import ChunkedKVConfig
+
+
+def _builder(device_plan: bool) -> ChunkedKVMetadataBuilder:
+    builder = ChunkedKVMetadataBuilder.__new__(ChunkedKVMetadataBuilder)  # no engine: only what build() reads
+    builder.block_size, builder.device_decode_plan = 16, device_plan
+    return builder
+
+
+def _common(seq_lens: list[int], query_lens: list[int]):
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    guard = lambda t: t.as_subclass(SyncGuard)  # noqa: E731
+    return types.SimpleNamespace(
+        num_reqs=len(seq_lens), num_actual_tokens=sum(query_lens), max_query_len=max(query_lens),
+        query_start_loc_cpu=starts, seq_lens=guard(torch.tensor(seq_lens)),
+        block_table_tensor=guard(torch.arange(1, 8 * len(seq_lens) + 1).view(len(seq_lens), 8)),
+    )
+
+
+def test_uniform_decode_waits_for_nothing():
+    cfg = ChunkedKVConfig(mitigation="stagger", chunk_size=4, window=8, sink_tokens=2)
+    metadata = _builder(True).build(0, _common([40, 9, 77], [1, 1, 1]))
+    assert metadata.device_seq_lens is not None and metadata.seq_lens == []
+    raw = types.SimpleNamespace(block_table=torch.arange(1, 25).view(3, 8).as_subclass(SyncGuard), block_size=16)
+    plan = metadata.plan(cfg, (0, 2), raw, bias=False)
+    assert isinstance(plan.key_sets[0].num_slots, SyncGuard)
+
+
+def test_mixed_batches_read_lengths_on_the_host():
+    with pytest.raises(AssertionError, match="host synchronisation"):
+        _builder(True).build(0, _common([40, 9], [1, 5]))
+    with pytest.raises(AssertionError, match="host synchronisation"):
+        _builder(False).build(0, _common([40, 9], [1, 1]))
+
+
+def test_graph_support_follows_the_plan(monkeypatch):
+    config = types.SimpleNamespace(device_config=types.SimpleNamespace(device="cpu"))
+    assert ChunkedKVMetadataBuilder.get_cudagraph_support(config, None) == AttentionCGSupport.NEVER
+    monkeypatch.setenv("CHUNKED_KV_DECODE_PLAN", "device")
+    assert ChunkedKVMetadataBuilder.get_cudagraph_support(config, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.delenv("CHUNKED_KV_DECODE_PLAN")
+    assert decode_plan_on_device(torch.device("cuda")) and not decode_plan_on_device(torch.device("cpu"))
+    monkeypatch.setenv("CHUNKED_KV_DECODE_PLAN", "sometimes")
+    with pytest.raises(ValueError, match="CHUNKED_KV_DECODE_PLAN"):
+        decode_plan_on_device(torch.device("cpu"))

@@ -1,0 +1,119 @@
+"""The step plan of a uniform decode batch, built on the device with fixed shapes.
+
+When every request of a step computes one token (vLLM's uniform decode,
+what CUDA graphs capture), the plan of `step_plan.py` follows from the
+sequence lengths and the two block tables by tensor arithmetic alone: no
+host synchronisation and no Python loop per request, and every shape is a
+function of the batch size, the block tables' widths and the config. Rows
+that do not exist in a given step are padding, never read as data:
+
+- raw rows: the kept leading rows, then the raw region before the token,
+  packed first (``num_raw`` counts them), padded to ``forever_raw +
+  raw_window`` columns;
+- chunk writes: one entry per (request, KV head), since a token completes
+  at most one chunk per head; entries that complete nothing write to vLLM's
+  null page (`step_plan.NULL_PAGE`), which no plan reads;
+- compressed slots: every slot the block table can address (``num_slots``
+  says how many may be visible).
+
+`tests/ops/test_decode_plan.py` holds it to `step_plan.build_plan`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_chunked_kv import grid, layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPlan, visibility_bias
+
+
+def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                      raw_block_table: torch.Tensor, raw_block_size: int, cfg: ChunkedKVConfig,
+                      origins: list[int], *, bias: bool = True) -> StepPlan:
+    """The plan of a step in which request ``r`` computes the one token at
+    position ``seq_lens[r] - 1`` (token index ``r``). seq_lens ``[b]``,
+    block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, all on the
+    device. Padding requests (seq_len 0) read and write nothing."""
+    long = dict(dtype=torch.long, device=seq_lens.device)
+    o = torch.tensor(origins, **long)  # [Hkv]
+    t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
+    per_block = layout.states_per_block(cfg, block_size)
+    tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
+    return StepPlan(cfg=cfg, origins=o, raw_writes=torch.arange(t.shape[0], **long),
+                    writes=_chunk_writes(cfg, o, origins, t, *tables),
+                    key_sets=[_key_set(cfg, o, origins, t, *tables, bias)])
+
+
+def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch.Tensor,
+                  block_table: torch.Tensor, per_block: int, raw_block_table: torch.Tensor,
+                  raw_block_size: int) -> ChunkWrites:
+    long = dict(dtype=torch.long, device=t.device)
+    b, hkv, spg = t.shape[0], o.shape[0], grid.slots_per_group(cfg)
+    p = t[:, None].expand(b, hkv)  # [b, Hkv] the step's one position
+    rel = p - grid.chunk_last(cfg, 0, o)  # [b, Hkv] = k * hop when the token ends chunk k
+    done = (rel >= 0) & (rel % cfg.hop == 0)  # [b, Hkv] a chunk completes
+    k = torch.where(done, rel // cfg.hop, 0)  # [b, Hkv]
+    req = torch.arange(b, **long)[:, None].expand(b, hkv)  # [b, Hkv]
+    positions = grid.chunk_start(cfg, k, o)[..., None] + torch.arange(cfg.chunk_size, **long)  # [b, Hkv, cs]
+    positions = torch.where(done[..., None], positions, 0)
+    src_blocks = raw_block_table[req[..., None], positions // raw_block_size]  # [b, Hkv, cs]
+    src_step = torch.where(positions == p[..., None], req[..., None], -1)  # [b, Hkv, cs] own row, else stored
+    slots = ((k + grid.first_group(cfg, o)) * spg)[..., None] + torch.arange(spg, **long)  # [b, Hkv, spg]
+    last_page = block_table.shape[1] - 1  # empty entries may point past the table: gather in range
+    dst_blocks = torch.where(done[..., None], block_table[req[..., None], (slots // per_block).clamp(max=last_page)],
+                             NULL_PAGE)
+    # Slots below a head's first group are zeroed when its chunk 0 completes.
+    width = max((grid.first_group(cfg, x) * spg for x in origins), default=0)  # from the host's origins
+    zs = torch.arange(width, **long)  # [Z0]
+    zero = (done & (k == 0))[..., None] & (zs < grid.first_group(cfg, o)[:, None] * spg)  # [b, Hkv, Z0]
+    zero_blocks = torch.where(zero, block_table[req[..., None], (zs // per_block).clamp(max=last_page)],
+                              NULL_PAGE)  # [b, Hkv, Z0]
+    heads = torch.arange(hkv, **long)
+    return ChunkWrites(
+        heads=heads.expand(b, hkv).reshape(-1),  # [M = b * Hkv]
+        src_blocks=src_blocks.reshape(-1, cfg.chunk_size),  # [M, cs]
+        src_offsets=(positions % raw_block_size).reshape(-1, cfg.chunk_size),
+        src_step=src_step.reshape(-1, cfg.chunk_size),
+        dst_blocks=dst_blocks.reshape(-1, spg),  # [M, spg]
+        dst_offsets=(slots % per_block).reshape(-1, spg),
+        zero_heads=heads[:, None].expand(b, hkv, width).reshape(-1),  # [b * Hkv * Z0]
+        zero_blocks=zero_blocks.reshape(-1),
+        zero_offsets=(zs % per_block).expand(b, hkv, width).reshape(-1),
+    )
+
+
+def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch.Tensor, block_table: torch.Tensor,
+             per_block: int, raw_block_table: torch.Tensor, raw_block_size: int, with_bias: bool) -> KeySet:
+    long = dict(dtype=torch.long, device=t.device)
+    b = t.shape[0]
+    req = torch.arange(b, **long)[:, None]  # [b, 1]
+    first = t.clamp(min=0)  # [b] the stored rows lie before the token
+    keep = grid.forever_raw(cfg, origins)  # kept leading rows (host int)
+    window_from = grid.raw_from(cfg, first[:, None], o[None, :]).amin(dim=1)  # [b] over the heads' grids
+    leading = first.clamp(max=keep)  # [b]
+    start = torch.minimum(window_from.clamp(min=keep), first)  # [b] first stored row of the raw region
+    num_raw = leading + (first - start)  # [b]
+    i = torch.arange(keep + layout.raw_window(cfg), **long)[None, :]  # [1, Nr] a bound on num_raw
+    raw_t = torch.where(i < leading[:, None], i, start[:, None] + i - leading[:, None])  # [b, Nr]
+    raw_valid = i < num_raw[:, None]  # [b, Nr] valid rows first, padding after
+    raw_t = torch.where(raw_valid, raw_t, 0)
+    to = t[:, None]  # [b, 1]
+    visible = torch.where(grid.num_sealed(cfg, to, o[None, :]) > 0, grid.visible_slots(cfg, to, o[None, :]), 0)
+    num_slots = visible.amax(dim=1)  # [b] slots that may be visible
+    slot_t = torch.arange(block_table.shape[1] * per_block, **long)[None, :].expand(b, -1)  # [b, Nc] all addressable
+    slot_valid = slot_t < num_slots[:, None]
+    slot_t = slot_t.masked_fill(~slot_valid, 0)
+    positions = first[:, None]  # [b, 1]
+    return KeySet(
+        query_index=req,
+        query_positions=positions,
+        raw_blocks=raw_block_table[req, raw_t // raw_block_size],
+        raw_offsets=raw_t % raw_block_size,
+        raw_positions=raw_t,
+        num_raw=num_raw,
+        comp_blocks=block_table[req, slot_t // per_block],
+        comp_offsets=slot_t % per_block,
+        num_slots=num_slots,
+        bias=visibility_bias(cfg, o, positions, raw_t, raw_valid, slot_t, slot_valid) if with_bias else None,
+    )
