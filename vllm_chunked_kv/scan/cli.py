@@ -1,6 +1,6 @@
 """`vllm-chunked-kv scan`: find the weak phases of any OpenAI-compatible endpoint.
 
-    vllm-chunked-kv scan --base-url http://127.0.0.1:8000 [--model NAME] [--probe both]
+    vllm-chunked-kv scan --base-url http://127.0.0.1:8000 [--model NAME] [--probe all] [--compare-url URL2]
         [--task kv | --task FILE.jsonl] [--hop 4] [--out runs/scan] [--json] [--feedback]
 
 Writes run.json, records.jsonl, records.csv, summary.json and scan.png under
@@ -16,6 +16,7 @@ import os
 import sys
 
 from vllm_chunked_kv.scan.errors import ScanError
+from vllm_chunked_kv.scan.probes import CHOICES
 
 EPILOG = """\
 units: tokens when the server has vLLM's /tokenize (prompts are then sent as
@@ -43,13 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add = parser.add_argument
     add("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL (default: %(default)s)")
+    add("--compare-url", help="A/B scan: send every probe to this endpoint too and report the probes whose answer flips")
+    add("--compare-model", help="served model name at --compare-url (default: the only one it lists)")
     add("--model", help="served model name (default: the only model the server lists)")
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
-    add("--probe", choices=["offset", "needle", "both"], default="both", help="which probe to run (default: both)")
+    add("--probe", choices=list(CHOICES), default="all", help="which probes (axes) to run: offset, needle, length, both (offset and needle) or all (default: all)")
     add("--task", default="kv", help="'kv' (the synthetic key-value task), 'prose-codes' (codes in English prose, for real models) or a JSONL file of your own tasks")
     add("--hop", type=int, help="phase = position mod hop (default: the server's, from /v1/chunked_kv/config, else 4)")
-    add("--offsets", type=int, help="offset probe: offsets 0..N-1 (default: 2*hop)")
-    add("--prompts", type=int, default=128, help="offset probe: prompts per offset (default: %(default)s)")
+    add("--offsets", type=int, help="offset and length probes: filler units 0..N-1 (default: 2*hop)")
+    add("--prompts", type=int, default=128, help="offset and length probes: prompts, each sent at every offset / extra (default: %(default)s)")
     add("--per-phase", type=int, default=256, help="needle probe: prompts per phase, a multiple of hop (default: %(default)s)")
     add("--target-position", type=int, help="offset probe: target position at offset 0 (default: mid-haystack for kv)")
     add("--needle-range", action=_RangeAction, nargs="+", metavar="LO:HI", help="needle probe: target positions, 'LO:HI' or 'LO HI' (default: 16 hops past the sinks and the task's own text; prompts are padded so every target is older than the raw window)")
@@ -86,12 +89,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        from vllm_chunked_kv.scan.report import format_text
-
-        print(
-            f"{summary['model']} at {summary['base_url']}: units {summary['units']}, "
-            f"hop {summary['hop']} ({summary['hop_source']})"
-        )
-        print(format_text(summary["results"], summary["hop"]))
-        print(f"files: {', '.join(summary['files'].values())}")
+        print_text(summary)
     return 0
+
+
+def print_text(summary: dict) -> None:
+    from vllm_chunked_kv.scan.compare import format_compare
+    from vllm_chunked_kv.scan.report_text import format_text
+
+    print(
+        f"{summary['model']} at {summary['base_url']}: units {summary['units']}, "
+        f"hop {summary['hop']} ({summary['hop_source']})"
+    )
+    print(format_text(summary["results"], summary["hop"]))
+    other = summary.get("compare")
+    if other:
+        print(f"\ncompared endpoint: {other['model']} at {other['base_url']}")
+        print(format_text(other["results"], summary["hop"]))
+        print()
+        print(format_compare(other["paired"], summary["hop"], (summary["base_url"], other["base_url"])))
+    print(f"files: {', '.join(summary['files'].values())}")
