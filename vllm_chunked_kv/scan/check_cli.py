@@ -11,12 +11,10 @@ phases that change it. The hop comes from the server's
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import sys
 
-from vllm_chunked_kv.scan.errors import ScanError
+from vllm_chunked_kv.scan.errors import Failed, ScanError, run_reporting
 
 EPILOG = """\
 exit status: 0 stable, 3 the answer changes with the filler, 1 error (one line on stderr).
@@ -33,19 +31,15 @@ CONCLUSIONS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    from vllm_chunked_kv.scan.cli import add_server_arguments
+
+    add_server_arguments(parser, EPILOG)
     add = parser.add_argument
     add("prompt", nargs="?", help="the prompt (default: --file, else stdin)")
     add("--file", help="read the prompt from this file")
-    add("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL (default: %(default)s)")
-    add("--model", help="served model name (default: the only model the server lists)")
-    add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
-    add("--hop", type=int, help="phase = position mod hop (default: the server's, from /v1/chunked_kv/config, else 4)")
     add("--filler", help="filler text, cycled unit by unit (default: spaces in characters, a neutral sentence in tokens)")
     add("--end-before", help="put the end filler just before the last occurrence of this text (e.g. the question)")
     add("--max-tokens", type=int, default=16, help="tokens to generate (default: %(default)s)")
-    add("--units", choices=["auto", "tokens", "chars"], default="auto", help="filler units (default: auto)")
     add("--timeout", type=float, default=120.0, help="seconds per request (default: %(default)s)")
     add("--retries", type=int, default=2, help="retries per request (default: %(default)s)")
     add("--json", action="store_true", help="print the result as JSON")
@@ -110,10 +104,8 @@ def format_check(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = asyncio.run(check(args))
-    except ScanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    result = run_reporting(check(args))
+    if result is Failed:
         return 1
     print(json.dumps(result, indent=2) if args.json else format_check(result))
     return 0 if result["stable"] else UNSTABLE

@@ -124,7 +124,7 @@ async def scan(args: argparse.Namespace) -> dict:
     if not args.no_plot:
         from vllm_chunked_kv.scan.plot import plot_summary
 
-        names = tuple(c.base_url for c in clients) + ("",)
+        names = tuple(f"{x}: {c.base_url}" for x, c in zip("AB", clients)) + ("",)
         files["plot"] = str(plot_summary(
             results[0], out / "scan.png", hop=plan.hop, title=f"{models[0]}: {task.name} task",
             other=results[1] if len(results) > 1 else None, names=names[:2],
