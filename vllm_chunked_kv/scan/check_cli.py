@@ -25,8 +25,8 @@ CONCLUSIONS = {
     "stable": "stable: the same answer with every filler in front and at the end; no sign of a grid-boundary effect",
     "periodic": "UNSTABLE, periodic in the hop: the answer changes at the phases above and again one hop later, "
                 "which is what a chunk grid does",
-    "unstable": "UNSTABLE, not periodic in the hop: the answer changes with the filler, but not every hop; "
-                "likely something other than the chunk grid",
+    "unstable": "UNSTABLE, not periodic in the hop: the answer changes with the filler, but the change does not "
+                "repeat one hop later, so the grid phase alone does not explain it (check an uncompressed server too)",
 }
 
 

@@ -25,12 +25,12 @@ def _panel(ax, rows: list[dict], key: str, color: str, label: str, dashed: bool 
     ax.grid(alpha=0.3)
 
 
-def _title(kind: str, s: dict) -> str:
+def _findings(s: dict) -> str:
     gap = s["gap"]
     gap_text = f"gap {100 * gap['value']:.1f} [{100 * gap['ci'][0]:.1f}, {100 * gap['ci'][1]:.1f}] pts"
     period = s.get("period", {}).get("period")
     found = f"period {period}" if period else "no period"
-    return f"{kind} probe: {found}; {gap_text}, chi-square p={s['chi2']['p_value']:.2g}"
+    return f"{found}; {gap_text}, chi-square p={s['chi2']['p_value']:.2g}"
 
 
 def plot_summary(
@@ -54,7 +54,10 @@ def plot_summary(
             phase = "phase" if kind == "offset" else "length_phase"
             ax.set_xticklabels([f"{row[x_key]}\n({row[phase]})" for row in rows])
         ax.set_xlabel(xlabel.format(hop=hop))
-        ax.set_title(_title(kind, summary[kind]), fontsize=8)
+        if other and kind in other:
+            ax.set_title(f"{kind} probe\nA: {_findings(summary[kind])}\nB: {_findings(other[kind])}", fontsize=8)
+        else:
+            ax.set_title(f"{kind} probe: {_findings(summary[kind])}", fontsize=8)
         ax.legend(loc="lower left", fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
