@@ -4,6 +4,7 @@
   paired report lists exactly the probes whose outcome differs between the
   two record files, counts them per phase of each axis, and McNemar's test
   flags the phase where B is weak (B wrong where A is right) and no other.
+- The plot is written with both endpoints on it.
 - The same server compared with itself: no flip, McNemar p = 1 everywhere.
 - Two endpoints that tokenize differently: one-line error before any completion.
 - `mcnemar`: the exact branch equals scipy's two-sided binomial test on the
@@ -50,6 +51,7 @@ def test_flips_are_the_probes_that_differ(scan, tmp_path):
             assert row["a_only"] == row["b_only"] == 0 and row["mcnemar"]["p_value"] == 1.0
     assert summary["compare"]["results"]["needle"]["worst_phase"] == 3  # B's own scan
     assert summary["results"]["needle"]["gap"]["value"] == 0.0  # A's own scan
+    assert open(summary["files"]["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"  # both drawn
 
 
 def test_text_report(scan):
