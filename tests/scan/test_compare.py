@@ -38,7 +38,8 @@ def test_flips_are_the_probes_that_differ(scan, tmp_path):
         assert a.completions_served == b.completions_served == 2 * 8 * 16 + 4 * 64
     summary = summary_of(out)
     paired = summary["compare"]["paired"]
-    records_a, records_b = _records(tmp_path / "scan" / "records.jsonl"), _records(tmp_path / "scan" / "compare" / "records.jsonl")
+    records_a = _records(tmp_path / "scan" / "records.jsonl")
+    records_b = _records(tmp_path / "scan" / "compare" / "records.jsonl")
     assert records_a.keys() == records_b.keys()
     differing = {pid for pid in records_a if records_a[pid]["correct"] != records_b[pid]["correct"]}
     assert {f["probe_id"] for kind in ("offset", "needle", "length") for f in paired[kind]["flips"]} == differing
@@ -67,7 +68,8 @@ def test_text_report(scan):
 
 def test_same_server_twice_has_no_flips(scan):
     with FakeEndpoint() as a, FakeEndpoint(share_vocab=a) as b:
-        code, out, err = scan("--base-url", a.base_url, "--compare-url", b.base_url, "--prompts", "8", "--per-phase", "16")
+        code, out, err = scan("--base-url", a.base_url, "--compare-url", b.base_url, "--prompts", "8",
+                              "--per-phase", "16")
     assert code == 0, err
     paired = summary_of(out)["compare"]["paired"]
     for kind in ("offset", "needle", "length"):

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("prompt", nargs="?", help="the prompt (default: --file, else stdin)")
     add("--file", help="read the prompt from this file")
-    add("--filler", help="filler text, cycled unit by unit (default: spaces in characters, a neutral sentence in tokens)")
+    add("--filler", help="filler text, cycled unit by unit (default: spaces in characters, a sentence in tokens)")
     add("--end-before", help="put the end filler just before the last occurrence of this text (e.g. the question)")
     add("--max-tokens", type=int, default=16, help="tokens to generate (default: %(default)s)")
     add("--timeout", type=float, default=120.0, help="seconds per request (default: %(default)s)")
@@ -70,7 +70,8 @@ async def check(args: argparse.Namespace) -> dict:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise ScanError("the prompt is empty")
-    async with EndpointClient(args.base_url, api_key=args.api_key, timeout_s=args.timeout, retries=args.retries) as client:
+    client = EndpointClient(args.base_url, api_key=args.api_key, timeout_s=args.timeout, retries=args.retries)
+    async with client:
         model = await client.resolve_model(args.model)
         hop, source = resolve_hop([await client.server_config() or {}], args.hop)
         if hop < 2:
@@ -97,8 +98,9 @@ def format_check(result: dict) -> str:
             lines.append(f"  +{a['extra']:<2d} length {a['length']} (length phase {a['length'] % hop}): "
                          f"{a['completion']!r}  {mark}")
         if s["changed_extras"]:
+            repeats = "repeats every hop" if s["periodic"] else "does not repeat every hop"
             lines.append(f"  changes at filler mod {hop} in {s['phases']}, prompt length mod {hop} in "
-                         f"{s['length_phases']}{'; repeats every hop' if s['periodic'] else '; does not repeat every hop'}")
+                         f"{s['length_phases']}; {repeats}")
     lines.append(CONCLUSIONS[result["conclusion"]])
     return "\n".join(lines)
 

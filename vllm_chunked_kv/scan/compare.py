@@ -22,7 +22,8 @@ def _paired(pairs: list[Pair]) -> dict:
     n = len(pairs)
     correct_a = sum(a.correct for a, _ in pairs)
     correct_b = sum(b.correct for _, b in pairs)
-    test = mcnemar(sum(a.correct and not b.correct for a, b in pairs), sum(b.correct and not a.correct for a, b in pairs))
+    a_only = sum(a.correct and not b.correct for a, b in pairs)
+    test = mcnemar(a_only, sum(b.correct and not a.correct for a, b in pairs))
     difference, lo, hi = newcombe_difference(correct_a, n, correct_b, n)
     return {
         "n": n,
