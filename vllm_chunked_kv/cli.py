@@ -12,7 +12,8 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vllm_chunked_kv.demo.cli", "show the periodic weak spot and its mitigations on the shipped demo model"),
-    "scan": ("vllm_chunked_kv.scan.cli", "sweep offsets/needle positions against an OpenAI-compatible endpoint"),
+    "scan": ("vllm_chunked_kv.scan.cli", "sweep offsets, needle positions and prompt lengths against an endpoint"),
+    "check": ("vllm_chunked_kv.scan.check_cli", "ask one prompt with 0..2*hop-1 filler units in front and at the end"),
     "quickstart": ("vllm_chunked_kv.quickstart", "serve a tiny local model with chunked_kv and ask it one question"),
     "build-test-models": ("vllm_chunked_kv.testing.models", "build the tiny random-weight test models"),
     "models": ("vllm_chunked_kv.models.cli", "fetch a real model (checked, converted to bf16) and print its directory"),
@@ -22,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 # name -> the extra that brings its dependencies (the core install is the backend only)
-EXTRAS = {"demo": "demo", "scan": "scan", "models": "models", "adapt": "demo"}
+EXTRAS = {"demo": "demo", "scan": "scan", "check": "scan", "models": "models", "adapt": "demo"}
 EXTRA_PACKAGES = {"numpy", "scipy", "matplotlib", "openai", "httpx", "safetensors", "gguf", "accelerate"}
 
 

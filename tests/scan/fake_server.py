@@ -7,7 +7,9 @@ handed out on first sight, `<bos>` in front), as with the demo model.
 
 The answer rule is the key-value task's: the last word is a query key, the
 correct answer is the word after that key's first occurrence. That word's
-token position `t` decides the phase `t mod len(accuracy)`, and the server
+token position `t` decides the phase `t mod len(accuracy)` (`keyed="needle"`,
+the default; with `keyed="length"` the prompt's length in tokens decides
+it instead, like the DeepSeek-V4 error of vLLM issue #55927), and the server
 answers correctly with probability `accuracy[phase]`, drawn from a hash of
 the seed and the prompt's words (so a prompt always gets the same answer).
 
@@ -17,7 +19,8 @@ ones gets HTTP 500, until reset), `tokenize=False` (no /tokenize route),
 `feedback=False` (no feedback route); `delay_s` slows each completion so
 that the tests can see how many requests overlap (`max_in_flight`);
 `config_hop` adds `GET /v1/chunked_kv/config` reporting that hop, and
-`config` the `chunked_kv` block it reports (window, chunk_size, sink_tokens).
+`config` the `chunked_kv` block it reports (window, chunk_size, sink_tokens);
+`share_vocab` gives a second server the first one's tokenizer (A/B tests).
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ class FakeEndpoint:
         delay_s: float = 0.0,
         config_hop: int | None = None,
         config: dict | None = None,
+        keyed: str = "needle",
+        share_vocab: "FakeEndpoint | None" = None,
     ):
+        assert keyed in ("needle", "length"), keyed
+        self.keyed = keyed
         self.accuracy = accuracy
         self.seed = seed
         self.model = model
@@ -67,6 +74,8 @@ class FakeEndpoint:
         self.lock = threading.Lock()
         self.vocab: dict[str, int] = {"<pad>": 0, "<bos>": 1}
         self.words: list[str] = ["<pad>", "<bos>"]
+        if share_vocab is not None:  # another server of the same model: one tokenizer
+            self.vocab, self.words, self.lock = share_vocab.vocab, share_vocab.words, share_vocab.lock
         self.completion_requests = 0  # every POST /v1/completions, failed ones included
         self.completions_served = 0
         self.tokenize_requests = 0
@@ -122,7 +131,7 @@ class FakeEndpoint:
         if first >= len(words) - 2:
             return " <none>"
         position = first + 1  # token position of the value
-        phase = position % len(self.accuracy)
+        phase = (position if self.keyed == "needle" else len(ids)) % len(self.accuracy)
         # Drawn from the words, not the ids: ids follow the arrival order of
         # concurrent requests, so a draw from them would differ between runs.
         digest = hashlib.sha256(f"{self.seed}:{' '.join(words)}".encode()).digest()

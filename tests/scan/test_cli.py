@@ -5,7 +5,8 @@
   phase 3 worst, and the planted 40-point gap and phase-3 accuracy lie
   within about 3 standard errors of the reported ones (the 95% interval
   widened by half its width); the chi-square test rejects independence.
-- Phase-independent endpoint: no period, no significant dependence.
+- The needle-keyed endpoint shows nothing on the `length` axis.
+- Phase-independent endpoint: no period, no significant dependence, on any axis.
 - Output: `--json` prints the summary on stdout; records (JSONL, CSV),
   summary.json and the PNG are written; without a tokenizer the units are characters.
 - A failure midway keeps the answers; re-running sends only the missing probes
@@ -57,13 +58,15 @@ def test_planted_period_and_gap_are_recovered(fake, scan, tmp_path):
         assert _near(result["gap"]["ci"], PLANTED_GAP)
         assert result["chi2"]["p_value"] < 1e-3
         assert _near(result["by_phase"][3]["ci"], 0.55)
+    length = summary["results"]["length"]  # the prompt length does not matter to this server
+    assert length["chi2"]["p_value"] > 1e-3 and length["period"]["period"] is None
     means = [row["position_mean"] for row in needle["by_phase"]]
     sds = [row["position_sd"] for row in needle["by_phase"]]
     assert max(means) - min(means) < 1e-9 and max(sds) - min(sds) < 0.5  # position-matched groups
-    assert summary["feedback"] == {"route": "present", "posted": 8 * 48 + 4 * 96, "rejected": 0}
+    assert summary["feedback"] == {"route": "present", "posted": 2 * 8 * 48 + 4 * 96, "rejected": 0}
     files = summary["files"]
     assert open(files["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert len(open(files["records"]).readlines()) == 8 * 48 + 4 * 96
+    assert len(open(files["records"]).readlines()) == 2 * 8 * 48 + 4 * 96
     assert json.load(open(files["summary"]))["results"] == summary["results"]
 
 
@@ -72,9 +75,10 @@ def test_phase_independent_endpoint_has_no_period(scan):
         code, out, err = scan("--base-url", fake.base_url, *SIZES)
     assert code == 0, err
     results = summary_of(out)["results"]
-    assert results["offset"]["period"]["period"] is None
+    assert set(results) == {"offset", "needle", "length"}
     for result in results.values():
         assert result["chi2"]["p_value"] > 1e-3
+        assert result["period"]["period"] is None
 
 
 def test_text_output_and_character_units(scan):
@@ -82,7 +86,9 @@ def test_text_output_and_character_units(scan):
         code, out, err = scan("--base-url", fake.base_url, "--prompts", "4", "--per-phase", "8", json_output=False)
     assert code == 0, err
     assert "units chars, hop 4 (default)" in out
-    assert "offset probe: 32 probes" in out and "needle probe: 32 probes" in out
+    assert "offset probe (filler in front: target and prompt end move together): 32 probes" in out
+    assert "needle probe (target phase varies, prompt length fixed): 32 probes" in out
+    assert "length probe (prompt length varies, target fixed): 32 probes" in out
     assert "dominant period" in out and "worst phase" in out
 
 

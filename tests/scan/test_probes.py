@@ -1,8 +1,8 @@
 """Contract of probe planning.
 
-- The offset probe sends every prompt at every offset 0..N-1, prompt-major
-  (so a partial run covers all offsets evenly); the needle probe sends
-  per_phase prompts per phase, interleaved across phases.
+- The offset and length probes send every prompt at every offset / extra
+  0..N-1, prompt-major (so a partial run covers all of them evenly); the
+  needle probe sends per_phase prompts per phase, interleaved across phases.
 - Probe ids are unique and the same for the same plan (what resuming relies on).
 - Impossible plans are one-line errors.
 """
@@ -21,7 +21,7 @@ from vllm_chunked_kv.scan.tasks import KVTask
 PLAN = ProbePlan(hop=4, num_offsets=8, prompts=3, per_phase=8, seed=1)
 
 
-def _probes(plan=PLAN, kinds=("offset", "needle")):
+def _probes(plan=PLAN, kinds=("offset", "needle", "length")):
     return asyncio.run(build_probes(list(kinds), KVTask(haystack_len=60, num_records=8), Renderer(), plan))
 
 
@@ -34,6 +34,9 @@ def test_counts_order_and_ids():
     assert [p.planned_phase for p in needles[:4]] == [0, 1, 2, 3]
     assert len({p.probe_id for p in probes}) == len(probes)
     assert all(p.item.segments[0] == Fill(p.offset, " ") for p in offsets)  # characters: spaces
+    lengths = [p for p in probes if p.kind == "length"]
+    assert len(lengths) == 3 * 8 and [p.extra for p in lengths[:8]] == list(range(8))
+    assert all(p.item.segments[p.item.slot] == Fill(p.extra, " ") for p in lengths)
 
 
 def test_same_plan_same_probes():

@@ -1,6 +1,6 @@
 """Contract of the scanner against a real `vllm serve` of the tiny test model on 127.0.0.1.
 
-- Both probes run end to end in token units (vLLM's /tokenize, token-id
+- All three probes run end to end in token units (vLLM's /tokenize, token-id
   prompts): every probe is answered and recorded, and with a word-level
   tokenizer every target lands at its planned phase (position accounting
   with the server's real <bos> is right).
@@ -25,7 +25,7 @@ ARGS = ["--kv-haystack-len", "64", "--kv-records", "8", "--prompts", "4", "--per
         "--no-progress", "--json", "--retries", "1", "--backoff", "0.1"]
 
 
-def test_both_probes_end_to_end(tiny_llama, tmp_path, capsys):
+def test_all_probes_end_to_end(tiny_llama, tmp_path, capsys):
     out = str(tmp_path / "scan")
     with VllmServer(tiny_llama, env=PLUGINS) as server:
         code = main(["scan", "--base-url", f"{server.base_url}/v1", "--out", out, "--feedback", *ARGS])
@@ -44,7 +44,11 @@ def test_both_probes_end_to_end(tiny_llama, tmp_path, capsys):
     hop = summary["hop"]
     assert summary["hop_source"] == "server"  # the project's config route reports it
     assert [row["phase"] for row in offset["by_offset"]] == [(32 + k) % hop for k in range(2 * hop)]
-    total = offset["probes"] + needle["probes"]
+    length = summary["results"]["length"]
+    assert length["probes"] == 4 * 2 * hop
+    first = length["by_extra"][0]["length_phase"]  # one prompt length, grown one token per extra
+    assert [row["length_phase"] for row in length["by_extra"]] == [(first + k) % hop for k in range(2 * hop)]
+    total = offset["probes"] + needle["probes"] + length["probes"]
     assert summary["feedback"] == {"route": "present", "posted": total, "rejected": 0}
     assert code == 0 and (again["resumed"], again["sent"]) == (total, 0)
     assert again["results"] == summary["results"]

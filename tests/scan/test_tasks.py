@@ -5,8 +5,12 @@
   items share one target position; needle items have the phase they were
   drawn for.
 - User tasks: every malformed line is one ScanError naming the file and line;
-  offset items put every record at the same position; needle items move only
-  the record (each line's prompt length stays fixed) and land on their phase.
+  offset items put every record at the same position and give every prompt
+  the same length; needle items move only the record (each line's prompt
+  length stays fixed) and land on their phase.
+- Length items (kv and user): one prompt length, targets at every phase
+  equally; growing the slot by k adds k units to the length and leaves the
+  target where it is, still followed by the question.
 - Correctness of user tasks: the completion starts with the answer.
 """
 
@@ -19,6 +23,7 @@ import pytest
 
 from vllm_chunked_kv.scan.client import EndpointClient
 from vllm_chunked_kv.scan.errors import ScanError
+from vllm_chunked_kv.scan.items import grown
 from vllm_chunked_kv.scan.render import Renderer, Target
 from vllm_chunked_kv.scan.tasks import KVTask, UserTask
 
@@ -105,6 +110,24 @@ def test_user_offset_items_align_the_records(fake, tmp_path):
     positions = {r.target_position for r in rendered}
     assert positions == {1 + 5}  # <bos> + the longer head (5 words)
     assert {fake.words[r.prompt[6]] for r in rendered} == {"k3", "k4"}
+    assert len({r.length for r in rendered}) == 1  # the two lines' prompts differ by a word without padding
+
+
+@pytest.mark.parametrize("kind", ["kv", "user"])
+def test_length_items_grow_only_the_end(fake, tmp_path, kind):
+    task = KVTask(haystack_len=60, num_records=8) if kind == "kv" else UserTask(_write(tmp_path, USER_LINES))
+
+    async def go(renderer):
+        items = await task.length_items(renderer, 8, seed=0, hop=4)
+        return [[await renderer.render(grown(item, k).segments) for k in (0, 1, 5)] for item in items]
+
+    rendered = asyncio.run(_with_renderer(fake.base_url, go))
+    base = rendered[0][0].length
+    assert sorted(r[0].target_position % 4 for r in rendered) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for versions in rendered:
+        assert [r.length for r in versions] == [base, base + 1, base + 5]
+        assert len({r.target_position for r in versions}) == 1
+        assert [fake.words[r.prompt[-2]] for r in versions] == ["?"] * 3  # the question still ends the prompt
 
 
 def test_user_needle_items_move_only_the_record(fake, tmp_path):

@@ -1,6 +1,6 @@
 """`vllm-chunked-kv scan`: find the weak phases of any OpenAI-compatible endpoint.
 
-    vllm-chunked-kv scan --base-url http://127.0.0.1:8000 [--model NAME] [--probe both]
+    vllm-chunked-kv scan --base-url http://127.0.0.1:8000 [--model NAME] [--probe all] [--compare-url URL2]
         [--task kv | --task FILE.jsonl] [--hop 4] [--out runs/scan] [--json] [--feedback]
 
 Writes run.json, records.jsonl, records.csv, summary.json and scan.png under
@@ -10,12 +10,12 @@ Writes run.json, records.jsonl, records.csv, summary.json and scan.png under
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 
-from vllm_chunked_kv.scan.errors import ScanError
+from vllm_chunked_kv.scan.errors import Failed, run_reporting
+from vllm_chunked_kv.scan.probes import CHOICES
 
 EPILOG = """\
 units: tokens when the server has vLLM's /tokenize (prompts are then sent as
@@ -38,18 +38,27 @@ class _RangeAction(argparse.Action):
         setattr(namespace, self.dest, (lo, hi))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
+def add_server_arguments(parser: argparse.ArgumentParser, epilog: str) -> None:
+    """The options `scan` and `check` share: which server, which model, which hop."""
+    parser.epilog = epilog
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add = parser.add_argument
     add("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL (default: %(default)s)")
     add("--model", help="served model name (default: the only model the server lists)")
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
-    add("--probe", choices=["offset", "needle", "both"], default="both", help="which probe to run (default: both)")
-    add("--task", default="kv", help="'kv' (the synthetic key-value task), 'prose-codes' (codes in English prose, for real models) or a JSONL file of your own tasks")
     add("--hop", type=int, help="phase = position mod hop (default: the server's, from /v1/chunked_kv/config, else 4)")
-    add("--offsets", type=int, help="offset probe: offsets 0..N-1 (default: 2*hop)")
-    add("--prompts", type=int, default=128, help="offset probe: prompts per offset (default: %(default)s)")
+    add("--units", choices=["auto", "tokens", "chars"], default="auto", help="filler and position units (default: auto)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, EPILOG)
+    add = parser.add_argument
+    add("--compare-url", help="A/B scan: send every probe to this endpoint too and report the probes whose answer flips")
+    add("--compare-model", help="served model name at --compare-url (default: the only one it lists)")
+    add("--probe", choices=list(CHOICES), default="all", help="which probes (axes) to run: offset, needle, length, both (offset and needle) or all (default: all)")
+    add("--task", default="kv", help="'kv' (the synthetic key-value task), 'prose-codes' (codes in English prose, for real models) or a JSONL file of your own tasks")
+    add("--offsets", type=int, help="offset and length probes: filler units 0..N-1 (default: 2*hop)")
+    add("--prompts", type=int, default=128, help="offset and length probes: prompts, each sent at every offset / extra (default: %(default)s)")
     add("--per-phase", type=int, default=256, help="needle probe: prompts per phase, a multiple of hop (default: %(default)s)")
     add("--target-position", type=int, help="offset probe: target position at offset 0 (default: mid-haystack for kv)")
     add("--needle-range", action=_RangeAction, nargs="+", metavar="LO:HI", help="needle probe: target positions, 'LO:HI' or 'LO HI' (default: 16 hops past the sinks and the task's own text; prompts are padded so every target is older than the raw window)")
@@ -59,7 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, help="tokens to generate (default: 1 for kv, 16 for JSONL tasks)")
     add("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     add("--seed", type=int, default=0, help="seed of the prompts (and of sampling when temperature > 0)")
-    add("--units", choices=["auto", "tokens", "chars"], default="auto", help="filler and position units (default: auto)")
     add("--concurrency", type=int, default=16, help="requests in flight (default: %(default)s)")
     add("--timeout", type=float, default=60.0, help="seconds per request (default: %(default)s)")
     add("--retries", type=int, default=4, help="retries per request, exponential backoff (default: %(default)s)")
@@ -76,22 +84,32 @@ def run(args: argparse.Namespace) -> int:
     from vllm_chunked_kv.scan.session import scan
 
     try:
-        summary = asyncio.run(scan(args))
-    except ScanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        summary = run_reporting(scan(args))
     except KeyboardInterrupt:
         print(f"interrupted: answers so far are in {args.out}; re-run to resume", file=sys.stderr)
         return 130
+    if summary is Failed:
+        return 1
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        from vllm_chunked_kv.scan.report import format_text
-
-        print(
-            f"{summary['model']} at {summary['base_url']}: units {summary['units']}, "
-            f"hop {summary['hop']} ({summary['hop_source']})"
-        )
-        print(format_text(summary["results"], summary["hop"]))
-        print(f"files: {', '.join(summary['files'].values())}")
+        print_text(summary)
     return 0
+
+
+def print_text(summary: dict) -> None:
+    from vllm_chunked_kv.scan.compare import format_compare
+    from vllm_chunked_kv.scan.report_text import format_text
+
+    print(
+        f"{summary['model']} at {summary['base_url']}: units {summary['units']}, "
+        f"hop {summary['hop']} ({summary['hop_source']})"
+    )
+    print(format_text(summary["results"], summary["hop"]))
+    other = summary.get("compare")
+    if other:
+        print(f"\ncompared endpoint: {other['model']} at {other['base_url']}")
+        print(format_text(other["results"], summary["hop"]))
+        print()
+        print(format_compare(other["paired"], summary["hop"], (summary["base_url"], other["base_url"])))
+    print(f"files: {', '.join(summary['files'].values())}")

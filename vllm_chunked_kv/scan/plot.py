@@ -1,46 +1,63 @@
-"""The scan's PNG: accuracy per offset and per phase, with 95% Wilson bands."""
+"""The scan's PNG: one panel per axis with 95% Wilson bands (and the compared endpoint's curve)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+# axis -> (rows key, x key, x label, colour)
+PANELS = {
+    "offset": ("by_offset", "offset", "filler units in front (target phase)", "tab:blue"),
+    "needle": ("by_phase", "phase", "target phase (position mod {hop})", "tab:red"),
+    "length": ("by_extra", "extra", "filler units after the record (length phase)", "tab:green"),
+}
 
-def _panel(ax, rows: list[dict], key: str, color: str) -> None:
+
+def _panel(ax, rows: list[dict], key: str, color: str, label: str, dashed: bool = False) -> None:
     xs = [row[key] for row in rows]
     acc = [100 * row["accuracy"] for row in rows]
     lo = [100 * row["ci"][0] for row in rows]
     hi = [100 * row["ci"][1] for row in rows]
-    ax.fill_between(xs, lo, hi, color=color, alpha=0.25, linewidth=0, label="95% Wilson interval")
-    ax.plot(xs, acc, "o-", color=color, label="accuracy")
+    ax.fill_between(xs, lo, hi, color=color, alpha=0.12 if dashed else 0.25, linewidth=0)
+    ax.plot(xs, acc, "s--" if dashed else "o-", color=color, label=label)
     ax.set_xticks(xs)
     ax.set_ylim(0, 102)
     ax.set_ylabel("accuracy (%)")
     ax.grid(alpha=0.3)
 
 
-def plot_summary(summary: dict, path: str | Path, *, hop: int, title: str = "") -> Path:
+def _findings(s: dict) -> str:
+    gap = s["gap"]
+    gap_text = f"gap {100 * gap['value']:.1f} [{100 * gap['ci'][0]:.1f}, {100 * gap['ci'][1]:.1f}] pts"
+    period = s.get("period", {}).get("period")
+    found = f"period {period}" if period else "no period"
+    return f"{found}; {gap_text}, chi-square p={s['chi2']['p_value']:.2g}"
+
+
+def plot_summary(
+    summary: dict, path: str | Path, *, hop: int, title: str = "", other: dict | None = None, names=("A", "B")
+) -> Path:
+    """`other`: the compared endpoint's summary, drawn dashed on the same panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [kind for kind in ("offset", "needle") if kind in summary]
+    kinds = [kind for kind in PANELS if kind in summary]
     fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.5 * max(1, len(kinds)), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
-        s = summary[kind]
-        gap = s["gap"]
-        gap_text = f"gap {100 * gap['value']:.1f} [{100 * gap['ci'][0]:.1f}, {100 * gap['ci'][1]:.1f}] pts"
-        if kind == "offset":
-            _panel(ax, s["by_offset"], "offset", "tab:blue")
-            ax.set_xticklabels([f"{row['offset']}\n({row['phase']})" for row in s["by_offset"]])
-            ax.set_xlabel("filler units prepended (target phase)")
-            period = s["period"].get("period")
-            found = f"period {period}" if period else "no period"
-            ax.set_title(f"offset probe: {found}; phase {gap_text}", fontsize=9)
+        rows_key, x_key, xlabel, color = PANELS[kind]
+        rows = summary[kind][rows_key]
+        _panel(ax, rows, x_key, color, names[0] if other else "accuracy (95% Wilson band)")
+        if other and kind in other:
+            _panel(ax, other[kind][rows_key], x_key, "tab:gray", names[1], dashed=True)
+        if kind != "needle":
+            phase = "phase" if kind == "offset" else "length_phase"
+            ax.set_xticklabels([f"{row[x_key]}\n({row[phase]})" for row in rows])
+        ax.set_xlabel(xlabel.format(hop=hop))
+        if other and kind in other:
+            ax.set_title(f"{kind} probe\nA: {_findings(summary[kind])}\nB: {_findings(other[kind])}", fontsize=8)
         else:
-            _panel(ax, s["by_phase"], "phase", "tab:red")
-            ax.set_xlabel(f"target phase (position mod {hop})")
-            ax.set_title(f"needle probe: worst phase {s['worst_phase']}; {gap_text}", fontsize=9)
+            ax.set_title(f"{kind} probe: {_findings(summary[kind])}", fontsize=8)
         ax.legend(loc="lower left", fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)

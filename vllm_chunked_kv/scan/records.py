@@ -26,7 +26,7 @@ from vllm_chunked_kv.scan.errors import ScanError
 @dataclass(frozen=True)
 class Record:
     probe_id: str
-    probe: str  # "offset" | "needle"
+    probe: str  # "offset" | "needle" | "length"
     offset: int | None
     planned_phase: int | None
     position: int  # target position in units (0 = first unit sent)
@@ -40,6 +40,11 @@ class Record:
     attempts: int
     latency_s: float
     distance: int | None = None  # units after the target's last unit (scan/placement.py); None in old runs
+    extra: int | None = None  # length probe: filler units added after the record
+
+    def length_phase(self, hop: int) -> int:
+        """Where the prompt's end falls on the grid: prompt length mod hop."""
+        return self.prompt_units % hop
 
 
 FIELDS = [f.name for f in fields(Record)]

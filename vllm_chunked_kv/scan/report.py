@@ -1,16 +1,21 @@
-"""From records to the scan's summary (a JSON-ready dict) and its text form.
+"""From records to the scan's summary: one JSON-ready block per axis (docs/design.md §7).
 
-Per probe:
+Each axis has its own curve, its own period search (`period.py`) and its
+own fold by phase (gap, chi-square test, worst and best phase):
 
-- `offset`: accuracy per offset, the dominant period of that curve
-  (`period.py`), and the same outcomes folded by the target's phase
-  (`position mod hop`): the headline gap, chi-square test and worst phase;
-- `needle`: accuracy per phase of the target's position, with the mean and
-  standard deviation of the positions in each group (they should match).
+- `offset`: accuracy per offset (filler in front); the prompts of one offset
+  share target position and length, so both phases move with the offset.
+  Folded by the target's phase.
+- `needle`: accuracy per phase of the target's position, prompt length
+  fixed, with the mean and spread of the positions per group (they should
+  match). Period searched over `position mod 2·hop`.
+- `length`: accuracy per extra filler unit after the record (target fixed),
+  folded by `prompt length mod hop`, the phase a length-keyed weakness
+  (vLLM issue #55927) depends on.
 
-With the server's geometry (`placement.py`), each probe also reports
-accuracy outside and inside the raw window separately (`window`): only the
-targets outside are read through compressed rows.
+With the server's geometry (`placement.py`), each axis also reports
+accuracy outside and inside the raw window (`window`). The text form is in
+`report_text.py`.
 """
 
 from __future__ import annotations
@@ -23,8 +28,15 @@ from vllm_chunked_kv.scan.placement import Geometry
 from vllm_chunked_kv.scan.records import Record
 from vllm_chunked_kv.scan.stats import Comparison, compare_groups, wilson
 
+AXES = ("offset", "needle", "length")
 
-def _by(records: list[Record], key) -> dict[int, list[Record]]:
+
+def axis_phase(kind: str, record: Record, hop: int) -> int:
+    """The phase an axis groups a record by: the prompt length's for `length`, the target's otherwise."""
+    return record.length_phase(hop) if kind == "length" else record.phase
+
+
+def group_by(records: list[Record], key) -> dict[int, list[Record]]:
     groups: dict[int, list[Record]] = defaultdict(list)
     for record in records:
         groups[key(record)].append(record)
@@ -45,55 +57,65 @@ def _rows(comparison: Comparison, name: str) -> list[dict]:
     ]
 
 
-def _headline(comparison: Comparison) -> dict:
-    gap = comparison.gap
+def _headline(records: list[Record], phases: Comparison) -> dict:
+    gap = phases.gap
     return {
-        "gap": {
-            "value": gap.value, "ci": [gap.ci_low, gap.ci_high], "method": gap.method, "null_p95": gap.null_p95,
-        },
-        "chi2": {"statistic": comparison.chi2.statistic, "dof": comparison.chi2.dof, "p_value": comparison.chi2.p_value},
+        "probes": len(records),
+        "accuracy": sum(r.correct for r in records) / len(records),
+        "by_phase": _rows(phases, "phase"),
+        "gap": {"value": gap.value, "ci": [gap.ci_low, gap.ci_high], "method": gap.method, "null_p95": gap.null_p95},
+        "chi2": {"statistic": phases.chi2.statistic, "dof": phases.chi2.dof, "p_value": phases.chi2.p_value},
         "best_phase": gap.best,
         "worst_phase": gap.worst,
     }
 
 
-def summarize_offset(records: list[Record], seed: int = 0) -> dict:
-    by_offset = _by(records, lambda r: r.offset)
-    offsets = _compare(by_offset, seed)
-    rows = _rows(offsets, "offset")
-    for row, rs in zip(rows, by_offset.values()):
+def _curve(by_step: dict[int, list[Record]], name: str, hop: int, seed: int) -> tuple[list[dict], dict, Comparison]:
+    """Rows of a 0..N-1 curve (each with its most common target and length phase), its period, the comparison."""
+    steps = _compare(by_step, seed)
+    rows = _rows(steps, name)
+    for row, rs in zip(rows, by_step.values()):
         row["phase"] = Counter(r.phase for r in rs).most_common(1)[0][0]
-    complete = list(by_offset) == list(range(len(by_offset)))
-    period = dominant_period([g.correct for g in offsets.groups], [g.n for g in offsets.groups], seed=seed)
-    phases = _compare(_by(records, lambda r: r.phase), seed)
+        row["length_phase"] = Counter(r.length_phase(hop) for r in rs).most_common(1)[0][0]
+    if list(by_step) != list(range(len(by_step))):
+        return rows, {"period": None, "reason": f"{name}s missing"}, steps
+    period = dominant_period([g.correct for g in steps.groups], [g.n for g in steps.groups], seed=seed)
+    return rows, period.to_dict(), steps
+
+
+def summarize_offset(records: list[Record], hop: int, seed: int = 0) -> dict:
+    rows, period, offsets = _curve(group_by(records, lambda r: r.offset), "offset", hop, seed)
+    gap = offsets.gap
     return {
-        "probes": len(records),
-        "accuracy": sum(r.correct for r in records) / len(records),
+        **_headline(records, _compare(group_by(records, lambda r: r.phase), seed)),
         "by_offset": rows,
-        "by_phase": _rows(phases, "phase"),
-        **_headline(phases),
-        "offset_gap": {"value": offsets.gap.value, "ci": [offsets.gap.ci_low, offsets.gap.ci_high],
-                       "best_offset": offsets.gap.best, "worst_offset": offsets.gap.worst},
-        "period": period.to_dict() if complete else {"period": None, "reason": "offsets missing"},
+        "offset_gap": {"value": gap.value, "ci": [gap.ci_low, gap.ci_high], "best_offset": gap.best,
+                       "worst_offset": gap.worst},
+        "period": period,
     }
 
 
-def summarize_needle(records: list[Record], seed: int = 0) -> dict:
-    by_phase = _by(records, lambda r: r.phase)
-    phases = _compare(by_phase, seed)
-    rows = _rows(phases, "phase")
-    for row, rs in zip(rows, by_phase.values()):
+def summarize_length(records: list[Record], hop: int, seed: int = 0) -> dict:
+    rows, period, _ = _curve(group_by(records, lambda r: r.extra), "extra", hop, seed)
+    summary = _headline(records, _compare(group_by(records, lambda r: r.length_phase(hop)), seed))
+    for row, rs in zip(summary["by_phase"], group_by(records, lambda r: r.length_phase(hop)).values()):
+        row["target_phases"] = dict(sorted(Counter(r.phase for r in rs).items()))  # balanced by design
+    return {**summary, "by_extra": rows, "period": period}
+
+
+def summarize_needle(records: list[Record], hop: int, seed: int = 0) -> dict:
+    by_phase = group_by(records, lambda r: r.phase)
+    summary = _headline(records, _compare(by_phase, seed))
+    for row, rs in zip(summary["by_phase"], by_phase.values()):
         positions = [r.position for r in rs]
         row["position_mean"] = statistics.fmean(positions)
         row["position_sd"] = statistics.pstdev(positions)
-    moved = sum(r.phase != r.planned_phase for r in records)
-    return {
-        "probes": len(records),
-        "accuracy": sum(r.correct for r in records) / len(records),
-        "by_phase": rows,
-        **_headline(phases),
-        "off_plan": moved,  # probes whose measured phase differs from the planned one (tokenizer mismatch)
-    }
+    folded = _compare(group_by(records, lambda r: r.position % (2 * hop)), seed)
+    complete = len(folded.groups) == 2 * hop
+    period = dominant_period([g.correct for g in folded.groups], [g.n for g in folded.groups], seed=seed)
+    summary["period"] = period.to_dict() if complete else {"period": None, "reason": f"positions mod {2 * hop} missing"}
+    summary["off_plan"] = sum(r.phase != r.planned_phase for r in records)  # tokenizer did not match the plan
+    return summary
 
 
 def _share(records: list[Record]) -> dict:
@@ -111,68 +133,15 @@ def summarize_window(records: list[Record], geometry: Geometry) -> dict:
             "distance_min": min((r.distance for r in known), default=None)}
 
 
-def summarize(records: list[Record], *, seed: int = 0, geometry: Geometry | None = None) -> dict:
+SUMMARIZERS = {"offset": summarize_offset, "needle": summarize_needle, "length": summarize_length}
+
+
+def summarize(records: list[Record], *, hop: int, seed: int = 0, geometry: Geometry | None = None) -> dict:
     out = {}
-    for kind, summarize_kind in (("offset", summarize_offset), ("needle", summarize_needle)):
+    for kind in AXES:
         mine = [r for r in records if r.probe == kind]
         if mine:
-            out[kind] = summarize_kind(mine, seed)
+            out[kind] = SUMMARIZERS[kind](mine, hop, seed)
             if geometry is not None:
                 out[kind]["window"] = summarize_window(mine, geometry)
     return out
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:5.1f}"
-
-
-def format_text(summary: dict, hop: int) -> str:
-    lines = []
-    for kind in ("offset", "needle"):
-        if kind not in summary:
-            continue
-        s = summary[kind]
-        lines.append(f"{kind} probe: {s['probes']} probes, accuracy {_pct(s['accuracy']).strip()}%")
-        if kind == "offset":
-            for row in s["by_offset"]:
-                lines.append(
-                    f"  offset {row['offset']:3d} (phase {row['phase']}): {_pct(row['accuracy'])}% "
-                    f"[{_pct(row['ci'][0])}, {_pct(row['ci'][1])}]  n={row['n']}"
-                )
-            period = s["period"]
-            found = f"period {period['period']}" if period.get("period") else "no period"
-            lines.append(f"  dominant period: {found} ({period['reason']}; p={period.get('p_value', 1):.3g})")
-        for row in s["by_phase"]:
-            extra = f"  positions {row['position_mean']:.1f}±{row['position_sd']:.1f}" if "position_mean" in row else ""
-            lines.append(
-                f"  phase {row['phase']} (mod {hop}): {_pct(row['accuracy'])}% "
-                f"[{_pct(row['ci'][0])}, {_pct(row['ci'][1])}]  n={row['n']}{extra}"
-            )
-        gap = s["gap"]
-        lines.append(
-            f"  gap best-worst: {_pct(gap['value']).strip()} points [{_pct(gap['ci'][0]).strip()}, "
-            f"{_pct(gap['ci'][1]).strip()}] (no-effect 95th pct {_pct(gap['null_p95']).strip()}); "
-            f"worst phase {s['worst_phase']}, best phase {s['best_phase']}; "
-            f"chi-square p={s['chi2']['p_value']:.3g}"
-        )
-        if "window" in s:
-            lines += _window_lines(s["window"])
-    return "\n".join(lines)
-
-
-def _window_lines(w: dict) -> list[str]:
-    def share(part: dict) -> str:
-        if not part["n"]:
-            return "n=0"
-        return f"{_pct(part['accuracy']).strip()}% [{_pct(part['ci'][0]).strip()}, {_pct(part['ci'][1]).strip()}] n={part['n']}"
-
-    lines = [
-        f"  outside the raw window (>= {w['min_distance']} units from the end, window {w['window']} "
-        f"from {w['source']}): {share(w['outside'])}; inside: {share(w['inside'])}"
-    ]
-    if w["inside"]["n"]:
-        lines.append(
-            f"warning: {w['inside']['n']} targets fall inside the raw window or the sinks, where nothing is "
-            "compressed: their accuracy says nothing about compression (see --needle-range, --window)"
-        )
-    return lines

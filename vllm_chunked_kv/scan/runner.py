@@ -1,8 +1,11 @@
 """Send the probes with bounded concurrency, record each answer as it arrives, post feedback.
 
-The first request that fails for good (after the client's retries) stops the
-run: requests in flight are cancelled, every answer already received is on
-disk, and the error propagates as one `ScanError` line.
+An `Endpoint` is one server with its own store, request settings and
+feedback; an A/B scan (`--compare-url`) answers the same probes on two of
+them from one queue (`run_jobs`), `concurrency` requests in flight per
+endpoint. The first request that fails for good (after the client's
+retries) stops the run: requests in flight are cancelled, every answer
+already received is on disk, and the error propagates as one `ScanError` line.
 """
 
 from __future__ import annotations
@@ -92,7 +95,51 @@ async def _answer(
         attempts=completion.attempts,
         latency_s=round(completion.latency_s, 4),
         distance=rendered.distance,
+        extra=probe.extra,
     )
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    client: EndpointClient
+    store: RecordStore
+    settings: RequestSettings
+    feedback: FeedbackPoster
+
+
+async def run_jobs(
+    jobs: list[tuple[Endpoint, Probe]], renderer: Renderer, task, *, concurrency: int, progress: Progress
+) -> list[Record]:
+    """Answer every (endpoint, probe) job; returns the new records (also appended to each store)."""
+    queue: asyncio.Queue[tuple[Endpoint, Probe]] = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    new: list[Record] = []
+
+    async def worker() -> None:
+        while True:
+            try:
+                endpoint, probe = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            record = await _answer(endpoint.client, renderer, task, probe, endpoint.settings)
+            endpoint.store.append(record)
+            new.append(record)
+            progress.update(record.correct)
+            await endpoint.feedback.post(record.request_id, record.correct)
+
+    endpoints = len({id(endpoint) for endpoint, _ in jobs}) or 1
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency * endpoints, len(jobs))))]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    finally:
+        progress.close()
+    return new
 
 
 async def run_probes(
@@ -107,32 +154,6 @@ async def run_probes(
     feedback: FeedbackPoster,
     progress: Progress,
 ) -> list[Record]:
-    """Answer every probe; returns the new records (also appended to the store)."""
-    queue: asyncio.Queue[Probe] = asyncio.Queue()
-    for probe in probes:
-        queue.put_nowait(probe)
-    new: list[Record] = []
-
-    async def worker() -> None:
-        while True:
-            try:
-                probe = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            record = await _answer(client, renderer, task, probe, settings)
-            store.append(record)
-            new.append(record)
-            progress.update(record.correct)
-            await feedback.post(record.request_id, record.correct)
-
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(probes))))]
-    try:
-        await asyncio.gather(*workers)
-    except BaseException:
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        raise
-    finally:
-        progress.close()
-    return new
+    """Answer every probe on one endpoint; returns the new records (also appended to the store)."""
+    endpoint = Endpoint(client, store, settings, feedback)
+    return await run_jobs([(endpoint, p) for p in probes], renderer, task, concurrency=concurrency, progress=progress)

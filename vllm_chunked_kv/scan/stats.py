@@ -12,6 +12,9 @@
   positive even when nothing depends on the group; `gap_null_p95` is the 95th
   percentile of best - worst when the outcomes are shuffled across groups
   (exactly: drawn from the multivariate hypergeometric of the pooled counts).
+- `mcnemar`: McNemar's test of paired outcomes (the same probe sent to two
+  endpoints): exact two-sided binomial test on the discordant pairs when
+  they are few, the continuity-corrected chi-square otherwise.
 """
 
 from __future__ import annotations
@@ -138,3 +141,29 @@ def compare_groups(labels: list[int], correct: list[int], total: list[int], *, s
         gap=Gap(d, lo, hi, best.label, worst.label, null),
         chi2=chi2_independence(correct, total),
     )
+
+
+EXACT_BELOW = 25  # discordant pairs under which McNemar's test is the exact binomial one
+
+
+@dataclass(frozen=True)
+class McNemar:
+    a_only: int  # pairs where only A was correct
+    b_only: int  # pairs where only B was correct
+    statistic: float | None  # chi-square statistic; None for the exact test
+    p_value: float
+    method: str
+
+
+def mcnemar(a_only: int, b_only: int) -> McNemar:
+    """Two-sided McNemar test that A and B are correct equally often on the same probes."""
+    from scipy.stats import binom, chi2
+
+    discordant = a_only + b_only
+    if discordant == 0:
+        return McNemar(a_only, b_only, None, 1.0, "no discordant pairs")
+    if discordant < EXACT_BELOW:
+        p = min(1.0, 2.0 * float(binom.cdf(min(a_only, b_only), discordant, 0.5)))
+        return McNemar(a_only, b_only, None, p, "exact binomial")
+    statistic = (abs(a_only - b_only) - 1) ** 2 / discordant
+    return McNemar(a_only, b_only, statistic, float(chi2.sf(statistic, 1)), "chi-square, continuity corrected")
