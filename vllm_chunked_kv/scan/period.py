@@ -114,4 +114,4 @@ def dominant_period(
         return PeriodResult(
             None, p_value, f"accuracy depends on the offset but does not repeat within {num_offsets} offsets", fits
         )
-    return PeriodResult(period, p_value, f"period {period} explains {fits[best].power:.0%} of the offset effect", fits)
+    return PeriodResult(period, p_value, f"period {period} explains {fits[best].power:.0%} of the variation", fits)
