@@ -100,6 +100,25 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(results: dict) -> str:
+    """The soak table of benchmarks/README.md, from the suite's JSON."""
+    base = results.get("default backend", {}).get("tokens_per_s")
+    head = ("| server | completed | aborted | errors | streamed tokens/s (vs default) | TTFT p99 | inter-token p99 "
+            "| RSS after warm-up -> end | last 5 min: growth (API / engine) | preemptions | KV usage idle "
+            "| probes same |\n" + "| --- " * 12 + "|")
+    rows = []
+    for name, r in results.items():
+        mem = r["memory"]
+        ratio = f" ({r['tokens_per_s'] / base:.2f}x)" if base else ""
+        rows.append(
+            f"| {'`' + name + '`' if r['settings'] else name} | {r['requests']} | {r['aborted']} "
+            f"| {sum(r['errors'].values())} | {r['tokens_per_s']:.1f}{ratio} | {r['ttft_p99_s']:.1f} s "
+            f"| {r['itl_p99_s']:.2f} s | {mem['after_warmup_mb']:,.0f} -> {mem['end_mb']:,.0f} MB "
+            f"| {mem['tail_growth_pct']:+.1f}% ({mem['tail_growth_api_mb']:+.0f} / {mem['tail_growth_engine_mb']:+.0f} MB) "
+            f"| {r['preemptions']:.0f} | {r['kv_usage_idle']:g} | {'yes' if r['probes_equal'] else 'no'} |")
+    return "\n".join([head, *rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True)
@@ -110,16 +129,18 @@ def main() -> None:
     parser.add_argument("--lengths", default="64,512,1500")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--render", action="store_true", help="only print the table (and plot) of --json")
     args = parser.parse_args()
-    soak = load_soak()
     results = json.loads(args.json.read_text()) if args.json.exists() else {}
-    for name in args.servers.split(","):
+    soak = load_soak()
+    for name in [] if args.render else args.servers.split(","):
         results[name] = run_one(soak, args.model_dir, SERVERS[name], args)
         args.json.write_text(json.dumps(results, indent=2))  # every finished server is kept
         summary = {k: results[name][k] for k in ("requests", "aborted", "errors", "tokens_per_s", "memory")}
         print(name, json.dumps(summary), flush=True)
     if args.plot:
         plot(results, args.plot)
+    print(table(results))
 
 
 if __name__ == "__main__":
