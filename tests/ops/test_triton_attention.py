@@ -16,7 +16,8 @@ before the call), for:
   batches, bf16 caches (bf16 tolerance);
 
 and the kernels as `attend`/`write_chunks` launch them compile ahead of time
-for sm_80/sm_90 (not run).
+for sm_80/sm_90 (not run). The split count, a kernel constant, takes
+power-of-two values only (a bounded number of compiled variants).
 """
 
 
@@ -58,6 +59,12 @@ def test_shapes_tiles_splits_and_dtypes(triton_ops, name, options):
         cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
     options.setdefault("tol", 1e-4)
     triton_ops.schedule.run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="triton", **options)
+
+
+def test_split_counts_are_bucketed(triton_ops):
+    buckets = [triton_ops.attention.split_bucket(n) for n in range(0, 40)]
+    assert set(buckets) == {1, 2, 4, 8, 16, 32}
+    assert all(b <= max(n, 1) < 2 * b for n, b in enumerate(buckets))
 
 
 @pytest.mark.parametrize(

@@ -236,11 +236,18 @@ def _chunked_kv_attention_kernel(
 
 def default_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
     """Programs per (tile, head): enough to fill the device when few tiles
-    cover a long context, never more than one per 1024 keys."""
+    cover a long context, never more than one per 1024 keys. NUM_SPLITS is a
+    kernel constant, so the count is rounded down to a power of two: a
+    server compiles at most six variants instead of one per batch shape."""
     if device.type != "cuda" or num_programs == 0:
         return 1
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(target, num_programs), triton.cdiv(max_keys, 1024), 32))
+    return split_bucket(min(triton.cdiv(target, num_programs), triton.cdiv(max_keys, 1024), 32))
+
+
+def split_bucket(splits: int) -> int:
+    """The power of two at or below `splits` (at least 1)."""
+    return 1 << (max(1, splits).bit_length() - 1)
 
 
 def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_d: int, head_dv: int,
