@@ -77,13 +77,26 @@ def test_split_counts_are_bucketed(triton_ops):
 )
 def test_attention_compiles_for_a_gpu(compile_for_gpu, dtype, settings, group, tile_m, splits, arch):
     """The attention kernel as `attend` launches it compiles for sm_80 / sm_90 (not run)."""
+    _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, arch, head=128)
+
+
+@pytest.mark.parametrize("head, tile_m, arch", [
+    (64, 16, 80), (64, 16, 90), (256, 16, 80), (256, 16, 90), (256, 1, 90),  # 128: the test above
+])
+def test_attention_compiles_at_every_head_size(compile_for_gpu, head, tile_m, arch):
+    """bf16 operands at head sizes 64 and 256 (128 above), GQA 4, prefill tiles (the largest) and a
+    decode tile, sm_80 and sm_90, within the shared memory of both."""
+    _compile_attention(compile_for_gpu, "bf16", dict(chunk_size=4, window=128), 4, tile_m, 2, arch, head=head)
+
+
+def _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, arch, *, head):
     from vllm_chunked_kv.ops import triton_attention
     from vllm_chunked_kv.ops.step_plan import StepPlan
 
     cfg = ChunkedKVConfig(**settings)
     plan = StepPlan(cfg=cfg, origins=torch.zeros(8), raw_writes=None, writes=None, key_sets=[])
-    constants = triton_attention.launch_constants(plan, num_heads=8 * group, num_kv_heads=8, head_d=128,
-                                                  head_dv=128, tile_m=tile_m, splits=splits)
+    constants = triton_attention.launch_constants(plan, num_heads=8 * group, num_kv_heads=8, head_d=head,
+                                                  head_dv=head, tile_m=tile_m, splits=splits)
     pointers = {name: f"*{dtype}" for name in ("q_ptr", "step_ptr", "raw_ptr", "comp_ptr", "out_ptr")}
     pointers |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "origins_ptr": "*i32"}
     pointers |= {name: "*i64" for name in ("q_index_ptr", "q_pos_ptr", "raw_blocks_ptr", "raw_offsets_ptr",

@@ -261,7 +261,8 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
         NUM_Q_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_M=tile_m, ROWS=rows,
         HEAD_D=head_d, D_P2=triton.next_power_of_2(head_d), HEAD_DV=head_dv, DV_P2=triton.next_power_of_2(head_dv),
         CHUNK_SIZE=cfg.chunk_size, HOP=cfg.hop, SPG=grid.slots_per_group(cfg),
-        BLOCK_N=16 if INTERPRETED else 64, NUM_SPLITS=splits,
+        BLOCK_N=16 if INTERPRETED else 64 if max(head_d, head_dv) <= 128 else 32,  # head 256: fits shared memory
+        NUM_SPLITS=splits,
         USE_DOT=rows >= 16 and head_d >= 16 and head_dv >= 16,
         num_warps=4 if rows <= 32 else 8,
     )
