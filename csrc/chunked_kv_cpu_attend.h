@@ -62,8 +62,11 @@ struct TileQueries {  // the queries of one tile
 // region, causally.
 template <typename T, typename Pos, typename Row>
 static void fold_raw(Tile& t, Block& b, const TileQueries& tq, int64_t lo, int64_t hi, Pos pos, Row row) {
+  const int row_bytes = (t.head_d + t.head_dv) * static_cast<int>(sizeof(T));
+  for (int64_t i = lo; i < min64(hi, lo + kBlockKeys); ++i) prefetch_row(row(i), row_bytes);
   for (int64_t i0 = lo; i0 < hi; i0 += kBlockKeys) {
     b.n = static_cast<int>(min64(kBlockKeys, hi - i0));
+    for (int64_t i = i0 + kBlockKeys; i < min64(hi, i0 + 2 * kBlockKeys); ++i) prefetch_row(row(i), row_bytes);
     for (int n = 0; n < b.n; ++n) {
       const int64_t j = pos(i0 + n);
       bool any = false;
@@ -85,8 +88,16 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
                        int64_t lo, int64_t hi) {
   const int spg = a.slots_per_group;
   const TC* comp = static_cast<const TC*>(a.comp_cache);
+  const int64_t* blocks = a.comp_blocks + row * a.max_slots;
+  const int64_t* offsets = a.comp_offsets + row * a.max_slots;
+  const auto slot_row = [&](int64_t s) {
+    return comp + blocks[s] * a.stride_cb + head * a.stride_ch + offsets[s] * a.stride_cs;
+  };
+  const int row_bytes = (a.head_d + a.head_dv) * static_cast<int>(sizeof(TC));
+  for (int64_t s = lo; s < min64(hi, lo + kBlockKeys); ++s) prefetch_row(slot_row(s), row_bytes);
   for (int64_t s0 = lo; s0 < hi; s0 += kBlockKeys) {
     b.n = static_cast<int>(min64(kBlockKeys, hi - s0));
+    for (int64_t s = s0 + kBlockKeys; s < min64(hi, s0 + 2 * kBlockKeys); ++s) prefetch_row(slot_row(s), row_bytes);
     for (int n = 0; n < b.n; ++n) {
       const int64_t s = s0 + n;
       const int kind = static_cast<int>(s % spg);
@@ -99,9 +110,7 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
         b.vis[m][n] = v;
         any |= v;
       }
-      const int64_t at = row * a.max_slots + s;
-      b.row[n] = any ? comp + a.comp_blocks[at] * a.stride_cb + head * a.stride_ch + a.comp_offsets[at] * a.stride_cs
-                     : nullptr;
+      b.row[n] = any ? slot_row(s) : nullptr;
       b.bias[n] = kind == kPooled ? a.log_weight : 0.f;
     }
     fold_block<TC>(t, b);
