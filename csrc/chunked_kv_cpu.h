@@ -21,7 +21,7 @@ enum SlotKind : int { kPooled = 0, kFirst = 1, kLast = 2 };
 constexpr int kBoundarySlots = 3;
 
 constexpr int kBlockKeys = 32;     // key rows folded into the online softmax at a time
-constexpr int kMaxTileRows = 64;   // query rows (queries x GQA group) of a multi-token tile
+constexpr int kMaxTileRows = 128;  // query rows (queries x GQA group) of a multi-token tile
 constexpr int kMaxChunk = 256;     // chunk_size limit of write_chunks (a stack buffer per chunk)
 
 // Pool the chunks a step completes (`ChunkWrites`) into their compressed slots.

@@ -57,6 +57,12 @@ struct TileQueries {  // the queries of one tile
   int64_t prefix_end, origin, first_group;
 };
 
+// Rows past the end of a short block are seen by no query.
+static inline void hide_beyond(Block& b, int64_t queries) {
+  for (int m = 0; m < queries; ++m)
+    for (int n = b.n; n < kBlockKeys; ++n) b.add[m][n] = -INFINITY;
+}
+
 // Fold rows [lo, hi) of a part whose row i sits at position pos(i) and
 // address row(i): raw rows, visible to the forever-raw prefix and the raw
 // region, causally.
@@ -72,12 +78,12 @@ static void fold_raw(Tile& t, Block& b, const TileQueries& tq, int64_t lo, int64
       bool any = false;
       for (int m = 0; m < tq.count; ++m) {
         const bool v = (j < tq.prefix_end || j >= tq.s[m].raw_from) && j <= tq.t_lo + m;
-        b.vis[m][n] = v;
+        b.add[m][n] = v ? 0.f : -INFINITY;
         any |= v;
       }
       b.row[n] = any ? static_cast<const void*>(row(i0 + n)) : nullptr;
-      b.bias[n] = 0.f;
     }
+    hide_beyond(b, tq.count);
     fold_block<T>(t, b);
   }
 }
@@ -104,15 +110,16 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
       const int64_t k = s / spg - tq.first_group;
       const int64_t first = tq.origin + k * a.hop;
       const bool exists = k >= 0 && (kind == kFirst ? first >= a.sink_tokens : first + a.chunk_size - 1 >= a.sink_tokens);
+      const float bias = kind == kPooled ? a.log_weight : 0.f;
       bool any = false;
       for (int m = 0; m < tq.count; ++m) {
         const bool v = exists && s < spg * (tq.s[m].sealed + tq.first_group);
-        b.vis[m][n] = v;
+        b.add[m][n] = v ? bias : -INFINITY;
         any |= v;
       }
       b.row[n] = any ? slot_row(s) : nullptr;
-      b.bias[n] = kind == kPooled ? a.log_weight : 0.f;
     }
+    hide_beyond(b, tq.count);
     fold_block<TC>(t, b);
   }
 }

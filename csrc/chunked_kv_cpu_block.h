@@ -4,15 +4,16 @@
 // A tile is up to kMaxTileRows query rows (queries x the GQA group of one KV
 // head) that read the same key rows. A block is up to kBlockKeys rows, each
 // given by a pointer to its keys (its values follow at head_d), or null when
-// no row of the tile sees it (it is then never read), with a visibility flag
-// per (query, row) and a logit bias per row. Folding a block:
+// no row of the tile sees it (it is then never read), and what each query
+// adds to its logit: the row's bias if the query sees it, else -inf.
+// Folding a block:
 //
 // 1. logits [R, N]: few rows (a decode's GQA group) take dot products
 //    straight from the row, every query row from one load of each key
 //    vector (bf16 pairs through AVX-512 BF16 dot products when queries and
 //    keys are bf16); a multi-token tile first packs the block's keys
 //    transposed in fp32 and runs a register-blocked R x N product;
-// 2. the online softmax update per query row (hidden logits weigh 0);
+// 2. the online softmax update per query row, vectorised (hidden logits weigh 0);
 // 3. acc [R, Dv] += P [R, N] @ V [N, Dv], register-blocked, each value
 //    vector loaded once per row group (packed in fp32 for multi-token tiles).
 #pragma once
@@ -42,10 +43,9 @@ struct Tile {
 };
 
 struct Block {
-  int n;                                     // rows in the block
-  const void* row[kBlockKeys];               // keys, values at + head_d; null: seen by none
-  float bias[kBlockKeys];                    // logit bias of each row
-  uint8_t vis[kMaxTileRows][kBlockKeys];     // [query][row] (query = query row / group)
+  int n;                                  // rows in the block
+  const void* row[kBlockKeys];            // keys, values at + head_d; null: seen by none
+  float add[kMaxTileRows][kBlockKeys];    // [query][row]: bias if seen, else -inf (also beyond n)
 };
 
 // Ask for a row's cache lines ahead of its use: a KV head's rows run 4 KB
@@ -146,25 +146,26 @@ static void block_logits(Tile& t, const Block& b) {
 static void block_softmax(Tile& t, const Block& b) {
   for (int r = 0; r < t.rows; ++r) {
     float* lg = t.p[r];
-    const uint8_t* vis = b.vis[r / t.group];
-    float top = -INFINITY;
-    for (int n = 0; n < kBlockKeys; ++n) {
-      lg[n] = n < b.n && vis[n] ? lg[n] + b.bias[n] : -INFINITY;
-      top = lg[n] > top ? lg[n] : top;
+    const float* add = b.add[r / t.group];
+    vf top = vset(-INFINITY);
+    for (int n = 0; n < kBlockKeys; n += W) {
+      const vf x = vadd(vload(lg + n), vload(add + n));
+      vstore(lg + n, x);
+      top = vmax(top, x);
     }
-    if (top == -INFINITY) {  // nothing seen in this block
+    const float block_max = vhmax(top);
+    if (block_max == -INFINITY) {  // nothing seen in this block
       for (int n = 0; n < kBlockKeys; ++n) lg[n] = 0.f;
       continue;
     }
-    const float m_new = top > t.m[r] ? top : t.m[r];
+    const float m_new = block_max > t.m[r] ? block_max : t.m[r];
     const float alpha = expf(t.m[r] - m_new);
     vf sum = vzero();
     for (int n = 0; n < kBlockKeys; n += W) {
       const vf e = vexp(vsub(vload(lg + n), vset(m_new)));
       vstore(lg + n, e);
+      sum = vadd(sum, e);
     }
-    for (int n = 0; n < kBlockKeys; ++n) lg[n] = n < b.n && vis[n] ? lg[n] : 0.f;
-    for (int n = 0; n < kBlockKeys; n += W) sum = vfma(vload(lg + n), vset(1.f), sum);
     t.l[r] = t.l[r] * alpha + vsum(sum);
     t.m[r] = m_new;
     if (alpha != 1.f) {

@@ -62,6 +62,7 @@ static inline vf vset(float x) { return _mm512_set1_ps(x); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
@@ -76,7 +77,8 @@ static inline vf vload(const Bf16* p) { return bf16_lanes(_mm256_loadu_si256(rei
 static inline vf vload_n(const Bf16* p, int n) { return bf16_lanes(_mm256_maskz_loadu_epi16(first_n(n), p)); }
 static inline vf vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 static inline vf vload_n(const Half* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_n(n), p)); }
-static inline vf vexp(vf x) {  // e^x, ~1 ulp; x below -87.3 gives ~1e-38 (callers mask hidden logits)
+static inline vf vexp(vf x) {  // e^x, ~1 ulp; 0 below -87.3 (e^-inf = 0)
+  const __mmask16 live = _mm512_cmp_ps_mask(x, vset(-87.33654f), _CMP_GE_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, vset(-87.33654f)), vset(88.37626f));
   const vf n = _mm512_roundscale_ps(vmul(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   vf r = vfma(n, vset(-0.693359375f), x);
@@ -88,7 +90,7 @@ static inline vf vexp(vf x) {  // e^x, ~1 ulp; x below -87.3 gives ~1e-38 (calle
   y = vfma(y, r, vset(1.6666665459e-1f));
   y = vfma(y, r, vset(5.0000001201e-1f));
   y = vfma(y, vmul(r, r), _mm512_add_ps(r, vset(1.f)));
-  return _mm512_scalef_ps(y, n);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
 }
 #elif defined(CHUNKED_KV_AVX2)
 constexpr int W = 8;
@@ -98,6 +100,7 @@ static inline vf vset(float x) { return _mm256_set1_ps(x); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline float vsum(vf a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -125,7 +128,8 @@ static inline vf vload_n(const T* p, int n) {  // through a zeroed copy: no 16-b
   memcpy(tmp, p, sizeof(T) * n);
   return vload(tmp);
 }
-static inline vf vexp(vf x) {
+static inline vf vexp(vf x) {  // e^x, ~1 ulp; 0 below -87.3 (e^-inf = 0)
+  const vf live = _mm256_cmp_ps(x, vset(-87.33654f), _CMP_GE_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, vset(-87.33654f)), vset(88.37626f));
   const vf n = _mm256_round_ps(vmul(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   vf r = vfma(n, vset(-0.693359375f), x);
@@ -138,7 +142,7 @@ static inline vf vexp(vf x) {
   y = vfma(y, r, vset(5.0000001201e-1f));
   y = vfma(y, vmul(r, r), _mm256_add_ps(r, vset(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return vmul(y, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(live, vmul(y, _mm256_castsi256_ps(e)));
 }
 #else
 constexpr int W = 1;
@@ -148,13 +152,14 @@ static inline vf vset(float x) { return x; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vsub(vf a, vf b) { return a - b; }
+static inline vf vadd(vf a, vf b) { return a + b; }
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline float vsum(vf a) { return a; }
 static inline float vhmax(vf a) { return a; }
 static inline void vstore(float* p, vf a) { *p = a; }
 template <typename T> static inline vf vload(const T* p) { return to_float(*p); }
 template <typename T> static inline vf vload_n(const T* p, int) { return to_float(*p); }
-static inline vf vexp(vf x) { return expf(x < -87.33654f ? -87.33654f : x); }
+static inline vf vexp(vf x) { return x < -87.33654f ? 0.f : expf(x); }
 #endif
 
 // The first `n` elements at p, as fp32 (a full vector when n >= W).

@@ -75,6 +75,7 @@ def isa(module):
 def test_builds_and_reports_what_runs(module):
     isas = module.supported_isas()
     assert isas[-1] == "scalar" and module.isa() == isas[0]
+    assert (module.MAX_TILE_ROWS, module.MAX_CHUNK) == (cpu_ext.MAX_TILE_ROWS, cpu_ext.MAX_CHUNK)
     text = cpu_ext.describe()
     assert text.startswith(f"{isas[0]} kernels") and "-O3 -fopenmp" in text and module.__file__ in text
     assert dispatch.available("cpp", "cpu") == []
@@ -175,6 +176,7 @@ SHAPES = [
     ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),
     ("boundary-gated", dict(group=4, decode_only=True)),
     ("overlap", dict(group=16, dtype=torch.bfloat16, tol=3e-2)),  # 16 rows per decode tile
+    ("none-sinks", dict(group=cpu_ext.MAX_TILE_ROWS, num_kv_heads=1, head_size=4)),  # the largest tile
     ("stagger-heads", dict(group=2, dtype=torch.float16, tol=1e-2, attend_kwargs=dict(num_splits=2))),
 ]
 

@@ -21,7 +21,7 @@ block/head/row strides, read in place. Queries are read as fp32 (converted
 here when they are not), step rows in the cache dtype or fp32 (others are
 converted to fp32, exactly), ``out`` is written in its own dtype.
 
-Limits (`unsupported` reports them): at most 64 query heads per KV head,
+Limits (`unsupported` reports them): at most 128 query heads per KV head,
 value heads up to 1024, chunks up to 256 tokens.
 """
 
@@ -48,7 +48,7 @@ SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_k
            "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
 HEADERS = ("chunked_kv_cpu.h", "chunked_kv_cpu_simd.h", "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h",
            "chunked_kv_cpu_write.h")
-MAX_TILE_ROWS = 64  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
+MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
 
 _state: dict = {"tried": False, "module": None, "reason": None, "flags": None}
@@ -165,7 +165,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     ``out`` when given. ``num_splits``: work items per (tile, KV head), each
     over a contiguous share of the keys (None: enough to occupy torch's
     threads). ``block_m``: queries per tile of a multi-token request (None:
-    64 query rows)."""
+    128 query rows)."""
     module = _module()
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
