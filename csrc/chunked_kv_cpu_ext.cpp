@@ -79,6 +79,17 @@ const int64_t* index(const Tensor& t, const char* name, int64_t rows, int64_t co
   return t.data_ptr<int64_t>();
 }
 
+// Block/head/row strides of both caches, into either argument struct.
+template <typename Args>
+void set_cache_strides(Args& a, const Tensor& raw_cache, const Tensor& comp_cache) {
+  a.stride_rb = raw_cache.stride(0);
+  a.stride_rh = raw_cache.stride(1);
+  a.stride_rs = raw_cache.stride(2);
+  a.stride_cb = comp_cache.stride(0);
+  a.stride_ch = comp_cache.stride(1);
+  a.stride_cs = comp_cache.stride(2);
+}
+
 // The step rows must be in the cache dtype or fp32 (the wrapper converts others).
 DType step_dtype(const Tensor& step_rows, DType cache) {
   const DType step = dtype_of(step_rows, "step_rows");
@@ -115,12 +126,7 @@ void write_chunks(Tensor comp_cache, const Tensor& raw_cache, const Tensor& step
   a.dst_offsets = index(dst_offsets, "dst_offsets", a.num_chunks, a.slots_per_group);
   a.stride_st = step_rows.stride(0);
   a.stride_sh = step_rows.stride(1);
-  a.stride_rb = raw_cache.stride(0);
-  a.stride_rh = raw_cache.stride(1);
-  a.stride_rs = raw_cache.stride(2);
-  a.stride_cb = comp_cache.stride(0);
-  a.stride_ch = comp_cache.stride(1);
-  a.stride_cs = comp_cache.stride(2);
+  set_cache_strides(a, raw_cache, comp_cache);
   a.head_d = static_cast<int>(head_d);
   a.head_dv = static_cast<int>(raw_cache.size(3) - head_d);
   a.pool_lo = static_cast<int>(pool_lo);
@@ -194,12 +200,7 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   a.stride_sh = step_rows.stride(1);
   a.stride_ot = out.stride(0);
   a.stride_oh = out.stride(1);
-  a.stride_rb = raw_cache.stride(0);
-  a.stride_rh = raw_cache.stride(1);
-  a.stride_rs = raw_cache.stride(2);
-  a.stride_cb = comp_cache.stride(0);
-  a.stride_ch = comp_cache.stride(1);
-  a.stride_cs = comp_cache.stride(2);
+  set_cache_strides(a, raw_cache, comp_cache);
   a.window = window;
   a.sink_tokens = sink_tokens;
   a.chunk_size = static_cast<int>(chunk_size);

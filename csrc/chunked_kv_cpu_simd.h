@@ -77,20 +77,11 @@ static inline vf vload(const Bf16* p) { return bf16_lanes(_mm256_loadu_si256(rei
 static inline vf vload_n(const Bf16* p, int n) { return bf16_lanes(_mm256_maskz_loadu_epi16(first_n(n), p)); }
 static inline vf vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 static inline vf vload_n(const Half* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_n(n), p)); }
-static inline vf vexp(vf x) {  // e^x, ~1 ulp; 0 below -87.3 (e^-inf = 0)
-  const __mmask16 live = _mm512_cmp_ps_mask(x, vset(-87.33654f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, vset(-87.33654f)), vset(88.37626f));
-  const vf n = _mm512_roundscale_ps(vmul(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = vfma(n, vset(-0.693359375f), x);
-  r = vfma(n, vset(2.12194440e-4f), r);
-  vf y = vset(1.9875691500e-4f);
-  y = vfma(y, r, vset(1.3981999507e-3f));
-  y = vfma(y, r, vset(8.3334519073e-3f));
-  y = vfma(y, r, vset(4.1665795894e-2f));
-  y = vfma(y, r, vset(1.6666665459e-1f));
-  y = vfma(y, r, vset(5.0000001201e-1f));
-  y = vfma(y, vmul(r, r), _mm512_add_ps(r, vset(1.f)));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// y * 2^n for integral n, and 0 where x < lo.
+static inline vf vscale_live(vf y, vf n, vf x, float lo) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(lo), _CMP_GE_OQ), _mm512_scalef_ps(y, n));
 }
 #elif defined(CHUNKED_KV_AVX2)
 constexpr int W = 8;
@@ -128,21 +119,11 @@ static inline vf vload_n(const T* p, int n) {  // through a zeroed copy: no 16-b
   memcpy(tmp, p, sizeof(T) * n);
   return vload(tmp);
 }
-static inline vf vexp(vf x) {  // e^x, ~1 ulp; 0 below -87.3 (e^-inf = 0)
-  const vf live = _mm256_cmp_ps(x, vset(-87.33654f), _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, vset(-87.33654f)), vset(88.37626f));
-  const vf n = _mm256_round_ps(vmul(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = vfma(n, vset(-0.693359375f), x);
-  r = vfma(n, vset(2.12194440e-4f), r);
-  vf y = vset(1.9875691500e-4f);
-  y = vfma(y, r, vset(1.3981999507e-3f));
-  y = vfma(y, r, vset(8.3334519073e-3f));
-  y = vfma(y, r, vset(4.1665795894e-2f));
-  y = vfma(y, r, vset(1.6666665459e-1f));
-  y = vfma(y, r, vset(5.0000001201e-1f));
-  y = vfma(y, vmul(r, r), _mm256_add_ps(r, vset(1.f)));
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale_live(vf y, vf n, vf x, float lo) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(live, vmul(y, _mm256_castsi256_ps(e)));
+  return _mm256_and_ps(_mm256_cmp_ps(x, vset(lo), _CMP_GE_OQ), vmul(y, _mm256_castsi256_ps(e)));
 }
 #else
 constexpr int W = 1;
@@ -160,6 +141,25 @@ static inline void vstore(float* p, vf a) { *p = a; }
 template <typename T> static inline vf vload(const T* p) { return to_float(*p); }
 template <typename T> static inline vf vload_n(const T* p, int) { return to_float(*p); }
 static inline vf vexp(vf x) { return x < -87.33654f ? 0.f : expf(x); }
+#endif
+
+#if defined(CHUNKED_KV_AVX512) || defined(CHUNKED_KV_AVX2)
+// e^x (Cephes' polynomial, ~1 ulp); 0 below -87.3, so e^-inf = 0.
+static inline vf vexp(vf x) {
+  constexpr float lo = -87.33654f;
+  const vf c = vmin(vmax(x, vset(lo)), vset(88.37626f));
+  const vf n = vround(vmul(c, vset(1.44269504f)));
+  vf r = vfma(n, vset(-0.693359375f), c);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  vf y = vset(1.9875691500e-4f);
+  y = vfma(y, r, vset(1.3981999507e-3f));
+  y = vfma(y, r, vset(8.3334519073e-3f));
+  y = vfma(y, r, vset(4.1665795894e-2f));
+  y = vfma(y, r, vset(1.6666665459e-1f));
+  y = vfma(y, r, vset(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset(1.f)));
+  return vscale_live(y, n, x, lo);
+}
 #endif
 
 // The first `n` elements at p, as fp32 (a full vector when n >= W).

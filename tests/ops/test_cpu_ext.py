@@ -33,10 +33,10 @@ import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
-from vllm_chunked_kv.ops.step_plan import build_plan
 
 from . import schedule
-from .schedule import CONFIGS, kernel_lengths, run_schedule
+from .schedule import (CONFIGS, KERNEL_SHAPES, kernel_lengths, run_schedule, run_shape, strided,
+                       wrap_pager_caches)
 
 torch.set_num_threads(1)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -166,77 +166,29 @@ def test_every_instruction_set(module, isa, name, dtype):
                      attend_kwargs=dict(block_m=5))
 
 
-SHAPES = [
-    ("stagger-list", dict(group=3)),
-    ("boundary-gated", dict(group=3, num_kv_heads=3)),
-    ("overlap-key_norm", dict(head_size_v=12)),
-    ("none", dict(group=1, head_size=72, head_size_v=80)),  # rows that are not whole vectors
-    ("none-sinks", dict(group=4, attend_kwargs=dict(block_m=3))),
-    ("boundary-key_norm", dict(group=2, attend_kwargs=dict(num_splits=3))),
-    ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),
-    ("boundary-gated", dict(group=4, decode_only=True)),
+@pytest.mark.parametrize("name, options", KERNEL_SHAPES + [
     ("overlap", dict(group=16, dtype=torch.bfloat16, tol=3e-2)),  # 16 rows per decode tile
     ("none-sinks", dict(group=cpu_ext.MAX_TILE_ROWS, num_kv_heads=1, head_size=4)),  # the largest tile
-    ("stagger-heads", dict(group=2, dtype=torch.float16, tol=1e-2, attend_kwargs=dict(num_splits=2))),
-]
-
-
-@pytest.mark.parametrize("name, options", SHAPES)
+])
 def test_shapes_tiles_splits_and_dtypes(module, name, options):
-    cfg = ChunkedKVConfig(**CONFIGS[name])
-    if cfg.keep_boundary and options.get("num_kv_heads") == 3:
-        cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
-    options = {"tol": 1e-4, **options}
-    assert run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="cpp", **options) > 4
-
-
-def _wrap_pager_caches(monkeypatch, wrap) -> None:
-    """Every schedule.Pager's caches replaced by ``wrap(cache)`` (same contents)."""
-    init = schedule.Pager.__init__
-
-    def wrapped_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.comp, self.raw = wrap(self.comp), wrap(self.raw)
-
-    monkeypatch.setattr(schedule.Pager, "__init__", wrapped_init)
+    assert run_shape(name, options, "cpp") > 4
 
 
 def test_strided_caches(module, monkeypatch):
-    """Caches laid out head-major, rows padded with NaN columns: only the strides say where rows are."""
-
-    def strided(cache: torch.Tensor) -> torch.Tensor:
-        blocks, heads, rows, width = cache.shape
-        storage = cache.new_full((heads, blocks, rows, width + 3), float("nan"))
-        view = storage.permute(1, 0, 2, 3)[..., :width]  # [blocks, heads, rows, width]
-        view.copy_(cache)
-        return view
-
-    _wrap_pager_caches(monkeypatch, strided)
+    wrap_pager_caches(monkeypatch, strided)
     cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
     assert run_schedule(cfg, [63, 100], seed=3, impl="cpp", group=2, tol=1e-4) > 4
 
 
 def test_fp32_queries_over_bf16_caches(module, monkeypatch):
-    _wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
+    wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
     cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
     assert run_schedule(cfg, [63, 100], seed=4, impl="cpp", group=4, tol=3e-2) > 4
 
 
 def test_mixed_query_step_and_out_dtypes(module):
     """bf16 queries with fp32 step rows (computed in fp32) written into an fp16 out."""
-    cfg = ChunkedKVConfig(**CONFIGS["none-sinks"])
-    pager = schedule.Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=16)
-    pager.allocate(0, 40)
-    step = [(0, 0, 40)]
-    gen = torch.Generator().manual_seed(0)
-    query = torch.randn(40, 4, 8, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
-    step_rows = torch.randn(40, 2, 16, generator=gen)  # [n, Hkv, D + Dv] fp32
-    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
-    compressed.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
-    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, 8)
-    want = compressed.attend(query.float(), step_rows, pager.comp, pager.raw, plan, 0.5)  # [n, Hq, Dv] fp32
-    out = torch.full((40, 4, 8), float("nan"), dtype=torch.float16)
-    assert cpu_ext.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out) is out
+    out, want = schedule.mixed_dtypes_step(cpu_ext.attend)
     torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -38,7 +37,7 @@ import torch
 
 from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, cuda_ext
+from vllm_chunked_kv.ops import compressed, cuda_ext, jit
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CPP"
@@ -76,29 +75,21 @@ def _build_blocker() -> str | None:
 
 def load() -> ModuleType | None:
     """The built extension, or None (see `unavailable_reasons`)."""
-    if _state["tried"]:
-        return _state["module"]
-    _state["tried"] = True
-    blocker = _build_blocker()
-    if blocker is not None:
-        _state["reason"] = blocker
-        return None
-    try:
-        from torch.utils import cpp_extension
+    return jit.load_once(_state, _build_blocker, _build, "the C++ CPU kernels", "using the PyTorch path")
 
-        flags = build_flags()
-        module = cpp_extension.load(name="chunked_kv_cpu", sources=[str(SOURCES_DIR / name) for name in SOURCES],
-                                    extra_include_paths=[str(SOURCES_DIR)], extra_cflags=flags,
-                                    extra_ldflags=["-fopenmp"], verbose=False)
-        isa = os.environ.get(ISA_ENV, "").strip()
-        if isa:
-            module.set_isa(isa)
-        _state.update(module=module, flags=flags)
-    except Exception as exc:  # any build, import or ISA failure: fall back, once, loudly
-        cause = (str(exc).strip().splitlines() or [""])[-1][:300]
-        _state["reason"] = f"building the C++ CPU kernels failed: {type(exc).__name__}: {cause}"
-        warnings.warn(f"vllm-chunked-kv: {_state['reason']}; using the PyTorch path", RuntimeWarning, stacklevel=2)
-    return _state["module"]
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    flags = build_flags()
+    module = cpp_extension.load(name="chunked_kv_cpu", sources=[str(SOURCES_DIR / name) for name in SOURCES],
+                                extra_include_paths=[str(SOURCES_DIR)], extra_cflags=flags,
+                                extra_ldflags=["-fopenmp"], verbose=False)
+    isa = os.environ.get(ISA_ENV, "").strip()
+    if isa:
+        module.set_isa(isa)
+    _state["flags"] = flags
+    return module
 
 
 def unavailable_reasons() -> list[str]:
@@ -126,10 +117,7 @@ def describe() -> str:
 
 
 def _module() -> ModuleType:
-    module = load()
-    if module is None:
-        raise RuntimeError(f"C++ CPU kernels unavailable: {_state['reason']}")
-    return module
+    return jit.require(_state, load, "C++ CPU kernels")
 
 
 def _rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -55,25 +55,31 @@ def available(impl: str, device=None, *, head_size: int | None = None, head_size
     device = resolve_device(device)
     if impl == "torch":
         return []
-    if impl == "cuda":
-        if device.type != "cuda":
-            return [f"tensors are on {device.type}: the CUDA extension needs a CUDA device"]
-        from vllm_chunked_kv.ops import cuda_ext
-
-        reasons = cuda_ext.unavailable_reasons()
+    if impl in ("cuda", "cpp"):  # the extensions, each for one device type
+        device_type, needs = _EXTENSION_DEVICE[impl]
+        if device.type != device_type:
+            return [f"tensors are on {device.type}: {needs}"]
+        module = _extension(impl)
+        reasons = module.unavailable_reasons()
         if head_size is not None:
-            reasons += cuda_ext.unsupported(head_size, head_size_v or head_size, group)
-        return reasons
-    if impl == "cpp":
-        if device.type != "cpu":
-            return [f"tensors are on {device.type}: the C++ kernels run on the CPU"]
-        from vllm_chunked_kv.ops import cpu_ext
-
-        reasons = cpu_ext.unavailable_reasons()
-        if head_size is not None:
-            reasons += cpu_ext.unsupported(head_size, head_size_v or head_size, group)
+            reasons += module.unsupported(head_size, head_size_v or head_size, group)
         return reasons
     return _triton_reasons(device)
+
+
+_EXTENSION_DEVICE = {"cuda": ("cuda", "the CUDA extension needs a CUDA device"),
+                     "cpp": ("cpu", "the C++ kernels run on the CPU")}
+
+
+def _extension(impl: str):
+    """The module of an extension implementation (imported on demand)."""
+    if impl == "cuda":
+        from vllm_chunked_kv.ops import cuda_ext
+
+        return cuda_ext
+    from vllm_chunked_kv.ops import cpu_ext
+
+    return cpu_ext
 
 
 def _triton_reasons(device: torch.device) -> list[str]:
