@@ -68,11 +68,12 @@ static inline void hide_beyond(Block& b, int64_t queries) {
 // region, causally.
 template <typename T, typename Pos, typename Row>
 static void fold_raw(Tile& t, Block& b, const TileQueries& tq, int64_t lo, int64_t hi, Pos pos, Row row) {
-  const int row_bytes = (t.head_d + t.head_dv) * static_cast<int>(sizeof(T));
-  for (int64_t i = lo; i < min64(hi, lo + kBlockKeys); ++i) prefetch_row(row(i), row_bytes);
+  t.row_bytes = (t.head_d + t.head_dv) * static_cast<int>(sizeof(T));
+  for (int64_t i = lo; i < min64(hi, lo + kBlockKeys); ++i) prefetch_row(row(i), t.row_bytes);
   for (int64_t i0 = lo; i0 < hi; i0 += kBlockKeys) {
     b.n = static_cast<int>(min64(kBlockKeys, hi - i0));
-    for (int64_t i = i0 + kBlockKeys; i < min64(hi, i0 + 2 * kBlockKeys); ++i) prefetch_row(row(i), row_bytes);
+    t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - i0 - kBlockKeys)));
+    for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = row(i0 + kBlockKeys + n);
     for (int n = 0; n < b.n; ++n) {
       const int64_t j = pos(i0 + n);
       bool any = false;
@@ -99,11 +100,12 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
   const auto slot_row = [&](int64_t s) {
     return comp + blocks[s] * a.stride_cb + head * a.stride_ch + offsets[s] * a.stride_cs;
   };
-  const int row_bytes = (a.head_d + a.head_dv) * static_cast<int>(sizeof(TC));
-  for (int64_t s = lo; s < min64(hi, lo + kBlockKeys); ++s) prefetch_row(slot_row(s), row_bytes);
+  t.row_bytes = (a.head_d + a.head_dv) * static_cast<int>(sizeof(TC));
+  for (int64_t s = lo; s < min64(hi, lo + kBlockKeys); ++s) prefetch_row(slot_row(s), t.row_bytes);
   for (int64_t s0 = lo; s0 < hi; s0 += kBlockKeys) {
     b.n = static_cast<int>(min64(kBlockKeys, hi - s0));
-    for (int64_t s = s0 + kBlockKeys; s < min64(hi, s0 + 2 * kBlockKeys); ++s) prefetch_row(slot_row(s), row_bytes);
+    t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - s0 - kBlockKeys)));
+    for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = slot_row(s0 + kBlockKeys + n);
     for (int n = 0; n < b.n; ++n) {
       const int64_t s = s0 + n;
       const int kind = static_cast<int>(s % spg);

@@ -40,6 +40,8 @@ struct Tile {
   float* vp;         // [kBlockKeys, dvp] packed values
   float m[kMaxTileRows], l[kMaxTileRows];
   float p[kMaxTileRows][kBlockKeys];  // logits, then probabilities
+  const void* ahead[kBlockKeys];      // the next block's rows, fetched while this one is folded
+  int ahead_n, row_bytes;
 };
 
 struct Block {
@@ -53,6 +55,13 @@ struct Block {
 static inline void prefetch_row(const void* row, int bytes) {
   const char* p = static_cast<const char*>(row);
   for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// The next block's row n, asked for while row n of this block is folded
+// (one row at a time: a burst of a whole block would overflow the misses
+// a core can have in flight).
+static inline void prefetch_ahead(const Tile& t, int n) {
+  if (n < t.ahead_n) prefetch_row(t.ahead[n], t.row_bytes);
 }
 
 // --- 1. logits
@@ -122,6 +131,7 @@ template <typename T>
 static void block_logits(Tile& t, const Block& b) {
   if (t.packed) {
     for (int n = 0; n < kBlockKeys; ++n) {
+      prefetch_ahead(t, n);
       const T* row = n < b.n ? static_cast<const T*>(b.row[n]) : nullptr;
       float* vrow = t.vp + n * t.dvp;
       for (int d = 0; d < t.head_d; ++d) t.kt[d * kBlockKeys + n] = row ? to_float(row[d]) : 0.f;
@@ -132,8 +142,9 @@ static void block_logits(Tile& t, const Block& b) {
     for (; r < t.rows; ++r) packed_logits<1>(t, r);
     return;
   }
-  for (int n = 0; n < b.n; ++n) {
-    if (!b.row[n]) continue;
+  for (int n = 0; n < kBlockKeys; ++n) {
+    prefetch_ahead(t, n);
+    if (n >= b.n || !b.row[n]) continue;
     const T* key = static_cast<const T*>(b.row[n]);
     int r = 0;
     for (; r + kRowBlock <= t.rows; r += kRowBlock) dots_key<T, kRowBlock>(t, r, key, n);
