@@ -2,12 +2,13 @@
 backend, at several context lengths and batch sizes, from one run.
 
 For each context, batch and implementation a fresh in-process engine (its
-own interpreter) runs `batch` requests of that many prompt tokens: a
-warm-up call on short prompts, then (batch 1 only, or every batch with
-`--prefill-all-batches`) a ``max_tokens=1`` call (prefill time: its wall
-time), then ``max_tokens=1+decode_tokens`` (decode tokens/s: `decode_tokens`
-per request over the time between the first and the last generated token,
-from vLLM's own request timestamps). Prefix caching is off. The
+own interpreter) runs `batch` requests of that many prompt tokens: when
+prefill is timed (batch 1, or every batch with `--prefill-all-batches`) a
+warm-up call and a ``max_tokens=1`` call on the same prompts (prefill time:
+the second one's wall time), else a warm-up call on short prompts; then
+``max_tokens=1+decode_tokens`` (decode tokens/s: `decode_tokens` per
+request over the time between the first and the last generated token, from
+vLLM's own request timestamps). Prefix caching is off. The
 implementations (`--impls`): ``default`` is vLLM's own backend, ``cpp`` and
 ``torch`` are CHUNKED_KV with ``CHUNKED_KV_IMPL`` set (the C++ kernels, the
 PyTorch path). Ratios are each over default (prefill: time, lower is
@@ -68,8 +69,9 @@ def worker(spec: dict) -> dict:
         outputs = llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - start, outputs
 
-    run(prompts(min(256, spec["context"])), 4)  # warm-up: first-call overheads
     full = prompts(spec["context"])
+    # Warm-up: first-call overheads, on the timed prompts when prefill is timed.
+    run(full if spec["time_prefill"] else prompts(min(256, spec["context"])), 1)
     prefill = run(full, 1)[0] if spec["time_prefill"] else None
     _, outputs = run(full, 1 + spec["decode_tokens"])
     # Engine timestamps of the first and last generated token: decode only.
