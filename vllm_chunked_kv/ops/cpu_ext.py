@@ -155,15 +155,11 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     threads). ``block_m``: queries per tile of a multi-token request (None:
     128 query rows)."""
     module = _module()
-    n, num_heads, head_d = query.shape
-    num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if out is None:
-        out = query.new_empty(n, num_heads, head_dv)
+    out, group = compressed.attend_output(query, raw_cache, out)
+    n, num_heads, head_dv = out.shape
     if n == 0:
         return out
-    group = num_heads // num_kv_heads
+    num_kv_heads = raw_cache.shape[1]
     direct = out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.stride(-1) == 1
     target = out if direct else torch.empty(n, num_heads, head_dv, dtype=torch.float32)
     tile_q = block_m or max(1, MAX_TILE_ROWS // group)

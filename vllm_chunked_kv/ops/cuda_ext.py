@@ -183,12 +183,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     enough to fill the device). ``block_m``: queries per tile of a
     multi-token request (None: up to 32 query rows, as shared memory allows)."""
     module = _module()
+    out, group = compressed.attend_output(query, raw_cache, out)
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if out is None:
-        out = query.new_empty(n, num_heads, head_dv)
     if n == 0:
         return out
     query, step_rows = _rows(query), _rows(step_rows)
@@ -196,7 +193,6 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         query, step_rows = query.float(), step_rows.float()
     direct = out.dtype == query.dtype and out.stride(-1) == 1
     target = out if direct else query.new_empty(n, num_heads, head_dv)
-    group = num_heads // num_kv_heads
     limits = _device_limits(module, query.device)
     tile_q = block_m or _tile_queries(module, group, head_d, head_dv, None if limits is None else limits[1])
     tiles = [(keys, 1 if keys.query_index.shape[1] == 1 else tile_q) for keys in plan.key_sets]
