@@ -2,8 +2,9 @@
 the three shipped demo models (weights, tokenizer, configs), the SmolLM2
 adapter that `models fetch --adapted` merges, the prose-codes scanner task and
 the scanner's example task,
-and the CUDA sources and headers, installed where `ops/cuda_ext.py` looks for them
-without a checkout (``<prefix>/share/vllm-chunked-kv/csrc``)."""
+and the CUDA and C++ CPU sources and headers, installed where `ops/cuda_ext.py`
+and `ops/cpu_ext.py` look for them without a checkout
+(``<prefix>/share/vllm-chunked-kv/csrc``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from vllm_chunked_kv.ops import cuda_ext
+from vllm_chunked_kv.ops import cpu_ext, cuda_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,5 +33,5 @@ def test_wheel_carries_models_and_cuda_sources(tmp_path):
     assert "vllm_chunked_kv/tasks/data/prose_codes.jsonl" in names
     assert "vllm_chunked_kv/scan/examples/secret_codes.jsonl" in names
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
-    for name in cuda_ext.SOURCES + cuda_ext.HEADERS:
+    for name in cuda_ext.SOURCES + cuda_ext.HEADERS + cpu_ext.SOURCES + cpu_ext.HEADERS:
         assert (cuda_ext.INSTALLED_SOURCES / name).as_posix() in data

@@ -2,8 +2,10 @@
 
 Prints the vLLM and torch versions (and whether vLLM is the release this
 package was tested with), the device, and for each implementation (CUDA
-extension, Triton, PyTorch) whether it can run and the reasons if not; the
-last line names the one the backend would pick, as the server logs it.
+extension, Triton, the C++ CPU kernels, PyTorch) whether it can run and the
+reasons if not (for the C++ kernels also the instruction set, threads, build
+flags and library); the last line names the one the backend would pick, as
+the server logs it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = dict(head_size=args.head_size, group=args.group)
     for impl in dispatch.IMPLS:
         reasons = dispatch.available(impl, device, **shapes)
-        print(f"{impl:7s} {'can run' if not reasons else 'cannot run: ' + '; '.join(reasons)}")
+        print(f"{impl:7s} {'can run' if not reasons else 'cannot run: ' + '; '.join(reasons)}{_details(impl, reasons)}")
     forced = os.environ.get(dispatch.IMPL_ENV)
     try:
         chosen = dispatch.choose(device, **shapes)
@@ -40,3 +42,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"chosen on {device.type}: {chosen}" + (f" ({dispatch.IMPL_ENV}={forced})" if forced else ""))
     return 0
+
+
+def _details(impl: str, reasons: list[str]) -> str:
+    """What the doctor adds to an implementation that can run: for the C++
+    kernels, which instruction set runs and how they were built."""
+    if impl != "cpp" or reasons:
+        return ""
+    from vllm_chunked_kv.ops import cpu_ext
+
+    return f" ({cpu_ext.describe()})"

@@ -193,6 +193,80 @@ def _write_chunks(ops, pager: Pager, step_rows, writes, cfg: ChunkedKVConfig, he
     torch.testing.assert_close(pager.comp[1:].float(), want[1:].float(), atol=tol, rtol=tol)
 
 
+# ------------------------------------------- checks shared by the kernel tests
+
+# (setting, run_schedule options) every kernel is run with: GQA 3, values
+# wider than keys, rows that are not whole vectors (nor whole thread
+# blocks), several query tiles per request, split contexts, decode-only
+# batches, bf16 and fp16.
+KERNEL_SHAPES = [
+    ("stagger-heads", dict(group=4, decode_only=True, decode_plan=True)),  # the device-side decode plan
+    ("boundary-gated", dict(group=2, decode_only=True, decode_plan=True)),
+    ("stagger-list", dict(group=3)),
+    ("boundary-gated", dict(group=3, num_kv_heads=3)),
+    ("overlap-key_norm", dict(head_size_v=12)),
+    ("none", dict(group=1, head_size=72, head_size_v=80)),
+    ("none-sinks", dict(group=4, attend_kwargs=dict(block_m=3))),
+    ("boundary-key_norm", dict(group=2, attend_kwargs=dict(num_splits=3))),
+    ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),
+    ("boundary-gated", dict(group=4, decode_only=True)),
+    ("overlap", dict(group=4, dtype=torch.bfloat16, tol=3e-2)),
+    ("stagger-heads", dict(group=2, dtype=torch.float16, tol=1e-2, attend_kwargs=dict(num_splits=2))),
+]
+
+
+def run_shape(name: str, options: dict, impl: str, device: str = "cpu") -> int:
+    """One of the KERNEL_SHAPES (three KV heads with boundary retention get staggered grids)."""
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    if cfg.keep_boundary and options.get("num_kv_heads") == 3:
+        cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
+    options = {"tol": 1e-4, **options}
+    return run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl=impl, device=device, **options)
+
+
+def wrap_pager_caches(monkeypatch, wrap) -> None:
+    """Every Pager's caches replaced by ``wrap(cache)`` (same contents), through
+    a pytest ``monkeypatch``."""
+    init = Pager.__init__
+
+    def wrapped_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.comp, self.raw = wrap(self.comp), wrap(self.raw)
+
+    monkeypatch.setattr(Pager, "__init__", wrapped_init)
+
+
+def strided(cache: torch.Tensor) -> torch.Tensor:
+    """The cache laid out head-major, rows padded with NaN columns: only the strides say where rows are."""
+    blocks, heads, rows, width = cache.shape
+    storage = cache.new_full((heads, blocks, rows, width + 3), float("nan"))
+    view = storage.permute(1, 0, 2, 3)[..., :width]  # [blocks, heads, rows, width]
+    view.copy_(cache)
+    return view
+
+
+def mixed_dtypes_step(attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 queries with fp32 step rows into an fp16 ``out`` (NaN before):
+    (out after ``attend(query, step_rows, comp, raw, plan, scale, out=out)``,
+    `compressed.attend`'s fp32 result from the queries in fp32)."""
+    from vllm_chunked_kv.ops import compressed
+
+    cfg = ChunkedKVConfig(**CONFIGS["none-sinks"])
+    pager = Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=16)
+    pager.allocate(0, 40)
+    step = [(0, 0, 40)]
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(40, 4, 8, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
+    step_rows = torch.randn(40, 2, 16, generator=gen)  # [n, Hkv, D + Dv] fp32
+    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
+    compressed.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
+    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, 8)
+    want = compressed.attend(query.float(), step_rows, pager.comp, pager.raw, plan, 0.5)  # [n, Hq, Dv] fp32
+    out = torch.full((40, 4, 8), float("nan"), dtype=torch.float16)
+    assert attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out) is out
+    return out, want
+
+
 def call_returning(module: str, name: str, *args, **kwargs) -> tuple:
     """Call ``module.name(*args, **kwargs)`` and return ``args``: how an
     in-place op run in another process hands its written tensors back."""

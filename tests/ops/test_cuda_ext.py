@@ -48,11 +48,11 @@ import pytest
 import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, cuda_ext
-from vllm_chunked_kv.ops.step_plan import build_plan
+from vllm_chunked_kv.ops import cuda_ext
 
 from . import schedule
-from .schedule import CONFIGS, kernel_lengths, run_schedule
+from .schedule import (CONFIGS, KERNEL_SHAPES, kernel_lengths, run_schedule, run_shape, strided,
+                       wrap_pager_caches)
 
 CSRC = Path(cuda_ext.SOURCES_DIR)
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
@@ -254,63 +254,19 @@ def test_emulated_steps_equal_reference(emulated, name, group):
     assert run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cuda", group=group, tol=1e-4) > 4
 
 
-SHAPES = [
-    ("stagger-heads", dict(group=4, decode_only=True, decode_plan=True)),  # the device-side decode plan
-    ("boundary-gated", dict(group=2, decode_only=True, decode_plan=True)),
-    ("stagger-list", dict(group=3)),
-    ("boundary-gated", dict(group=3, num_kv_heads=3)),
-    ("overlap-key_norm", dict(head_size_v=12)),
-    ("none", dict(group=1, head_size=72, head_size_v=80)),  # rows wider than a block's 128 threads
-    ("none-sinks", dict(group=4, attend_kwargs=dict(block_m=3))),
-    ("boundary-key_norm", dict(group=2, attend_kwargs=dict(num_splits=3))),
-    ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),
-    ("boundary-gated", dict(group=4, decode_only=True)),
-    ("overlap", dict(group=4, dtype=torch.bfloat16, tol=3e-2)),
-    ("stagger-heads", dict(group=2, dtype=torch.float16, tol=1e-2, attend_kwargs=dict(num_splits=2))),
-]
-
-
-def _run_shape(name: str, options: dict, device: str) -> None:
-    cfg = ChunkedKVConfig(**CONFIGS[name])
-    if cfg.keep_boundary and options.get("num_kv_heads") == 3:
-        cfg = ChunkedKVConfig(**CONFIGS[name], stagger=[[3, 1, 0]])
-    options = {"tol": 1e-4, **options}
-    assert run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="cuda", device=device, **options) > 4
-
-
-@pytest.mark.parametrize("name, options", SHAPES)
+@pytest.mark.parametrize("name, options", KERNEL_SHAPES)
 def test_emulated_shapes_tiles_splits_and_dtypes(emulated, name, options):
-    _run_shape(name, options, "cpu")
-
-
-def _wrap_pager_caches(monkeypatch, wrap) -> None:
-    """Every schedule.Pager's caches replaced by ``wrap(cache)`` (same contents)."""
-    init = schedule.Pager.__init__
-
-    def wrapped_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.comp, self.raw = wrap(self.comp), wrap(self.raw)
-
-    monkeypatch.setattr(schedule.Pager, "__init__", wrapped_init)
+    assert run_shape(name, options, "cuda") > 4
 
 
 def test_emulated_strided_caches(emulated, monkeypatch):
-    """Caches laid out head-major, rows padded with NaN columns: only the strides say where rows are."""
-
-    def strided(cache: torch.Tensor) -> torch.Tensor:
-        blocks, heads, rows, width = cache.shape
-        storage = cache.new_full((heads, blocks, rows, width + 3), float("nan"))
-        view = storage.permute(1, 0, 2, 3)[..., :width]  # [blocks, heads, rows, width]
-        view.copy_(cache)
-        return view
-
-    _wrap_pager_caches(monkeypatch, strided)
+    wrap_pager_caches(monkeypatch, strided)
     cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
     assert run_schedule(cfg, [63, 100], seed=3, impl="cuda", group=2, tol=1e-4) > 4
 
 
 def test_emulated_fp32_queries_over_bf16_caches(emulated, monkeypatch):
-    _wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
+    wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
     cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
     assert run_schedule(cfg, [63, 100], seed=4, impl="cuda", group=4, tol=3e-2) > 4
 
@@ -337,19 +293,7 @@ def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):
 
 def test_emulated_mixed_query_step_and_out_dtypes(emulated):
     """bf16 queries with fp32 step rows (computed in fp32) written into an fp16 out."""
-    cfg = ChunkedKVConfig(**CONFIGS["none-sinks"])
-    pager = schedule.Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=16)
-    pager.allocate(0, 40)
-    step = [(0, 0, 40)]
-    gen = torch.Generator().manual_seed(0)
-    query = torch.randn(40, 4, 8, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
-    step_rows = torch.randn(40, 2, 16, generator=gen)  # [n, Hkv, D + Dv] fp32
-    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
-    compressed.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
-    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, 8)
-    want = compressed.attend(query.float(), step_rows, pager.comp, pager.raw, plan, 0.5)  # [n, Hq, Dv] fp32
-    out = torch.full((40, 4, 8), float("nan"), dtype=torch.float16)
-    assert cuda_ext.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out) is out
+    out, want = schedule.mixed_dtypes_step(cuda_ext.attend)
     torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
@@ -398,6 +342,6 @@ def test_gpu_steps_equal_reference(name, group, dtype, tol):
 
 
 @gpu
-@pytest.mark.parametrize("name, options", SHAPES)
+@pytest.mark.parametrize("name, options", KERNEL_SHAPES)
 def test_gpu_shapes_tiles_splits_and_dtypes(name, options):
-    _run_shape(name, options, "cuda")
+    assert run_shape(name, options, "cuda", "cuda") > 4

@@ -4,7 +4,8 @@
   PyTorch always runs; CUDA has a reason on a CPU device; Triton on CPU
   names TRITON_INTERPRET unless the interpreter is really on (checked in the
   interpreter worker, where it is), and an unknown name is an error.
-- `choose` on CPU picks PyTorch, even with the interpreter on; on a CUDA
+- `choose` on CPU picks the C++ kernels, PyTorch when they cannot run, never
+  Triton (even with the interpreter on); on a CUDA
   device it takes CUDA, then Triton, then PyTorch, the first without
   reasons; CUDA's kernel limits (GQA group, head size) send a shape on.
 - ``CHUNKED_KV_IMPL`` (or ``impl=``) forces one; one that cannot run is an
@@ -49,7 +50,7 @@ def test_triton_on_cpu_without_interpreter_names_it(monkeypatch):
 
 def test_triton_on_cpu_with_interpreter_is_available(triton_ops):
     assert triton_ops.dispatch.available("triton", "cpu") == []
-    assert triton_ops.dispatch.choose("cpu") == "torch"  # never picked automatically on CPU
+    assert triton_ops.dispatch.choose("cpu") in ("cpp", "torch")  # never picked automatically on CPU
 
 
 def test_unknown_implementation_is_an_error():
@@ -57,7 +58,10 @@ def test_unknown_implementation_is_an_error():
         dispatch.available("xformers", "cpu")
 
 
-def test_cpu_picks_torch():
+def test_cpu_picks_cpp_then_torch(monkeypatch):
+    assert dispatch.choose("cpu", head_size=16) == "cpp"
+    dispatch.clear_choices()
+    monkeypatch.setattr(dispatch, "available", lambda impl, device=None, **shapes: ["no"] if impl == "cpp" else [])
     assert dispatch.choose("cpu", head_size=16) == "torch"
 
 

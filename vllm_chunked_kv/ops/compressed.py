@@ -117,6 +117,16 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     return out
 
 
+def attend_output(query: torch.Tensor, raw_cache: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """What a kernel's `attend` writes: ``out``, or a new ``[n, Hq, Dv]`` in the
+    query dtype; and the GQA group (query heads per KV head, which must divide)."""
+    n, num_heads, head_d = query.shape
+    num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    return (query.new_empty(n, num_heads, head_dv) if out is None else out), num_heads // num_kv_heads
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows at (block, offset) ``[b, N]`` of every KV head: ``[b, Hkv, N, Dk + Dv]``.
     A contiguous cache is read as a flat row array (a plain row copy)."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -44,7 +43,7 @@ import torch
 
 from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed
+from vllm_chunked_kv.ops import compressed, jit
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
@@ -93,30 +92,20 @@ def headers_digest() -> str:
 
 def load() -> ModuleType | None:
     """The built extension, or None (see `unavailable_reasons`)."""
-    if _state["tried"]:
-        return _state["module"]
-    _state["tried"] = True
-    blocker = _build_blocker()
-    if blocker is not None:
-        _state["reason"] = blocker
-        return None
-    try:
-        from torch.utils import cpp_extension
+    return jit.load_once(_state, _build_blocker, _build, "the CUDA extension", "using the Triton or PyTorch kernels")
 
-        _state["module"] = cpp_extension.load(
-            name="chunked_kv_cuda",
-            sources=[str(SOURCES_DIR / name) for name in SOURCES],
-            extra_include_paths=[str(SOURCES_DIR)],
-            extra_cflags=["-O3", f"-DCHUNKED_KV_HEADERS={headers_digest()}"],
-            extra_cuda_cflags=["-O3", f"-DCHUNKED_KV_HEADERS={headers_digest()}"],
-            verbose=False,
-        )
-    except Exception as exc:  # any build or import failure: fall back, once, loudly
-        cause = (str(exc).strip().splitlines() or [""])[-1][:300]
-        _state["reason"] = f"building the CUDA extension failed: {type(exc).__name__}: {cause}"
-        warnings.warn(f"vllm-chunked-kv: {_state['reason']}; using the Triton or PyTorch kernels", RuntimeWarning,
-                      stacklevel=2)
-    return _state["module"]
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name="chunked_kv_cuda",
+        sources=[str(SOURCES_DIR / name) for name in SOURCES],
+        extra_include_paths=[str(SOURCES_DIR)],
+        extra_cflags=["-O3", f"-DCHUNKED_KV_HEADERS={headers_digest()}"],
+        extra_cuda_cflags=["-O3", f"-DCHUNKED_KV_HEADERS={headers_digest()}"],
+        verbose=False,
+    )
 
 
 def unavailable_reasons() -> list[str]:
@@ -145,10 +134,7 @@ def unsupported(head_size: int, head_size_v: int, group: int) -> list[str]:
 
 
 def _module() -> ModuleType:
-    module = load()
-    if module is None:
-        raise RuntimeError(f"CUDA extension unavailable: {_state['reason']}")
-    return module
+    return jit.require(_state, load, "CUDA extension")
 
 
 def _device_limits(module: ModuleType, device: torch.device | None) -> tuple[int, int] | None:
@@ -197,12 +183,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     enough to fill the device). ``block_m``: queries per tile of a
     multi-token request (None: up to 32 query rows, as shared memory allows)."""
     module = _module()
+    out, group = compressed.attend_output(query, raw_cache, out)
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if out is None:
-        out = query.new_empty(n, num_heads, head_dv)
     if n == 0:
         return out
     query, step_rows = _rows(query), _rows(step_rows)
@@ -210,7 +193,6 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         query, step_rows = query.float(), step_rows.float()
     direct = out.dtype == query.dtype and out.stride(-1) == 1
     target = out if direct else query.new_empty(n, num_heads, head_dv)
-    group = num_heads // num_kv_heads
     limits = _device_limits(module, query.device)
     tile_q = block_m or _tile_queries(module, group, head_d, head_dv, None if limits is None else limits[1])
     tiles = [(keys, 1 if keys.query_index.shape[1] == 1 else tile_q) for keys in plan.key_sets]

@@ -1,21 +1,24 @@
 """Which implementation runs the chunked KV ops: the CUDA extension, the
-Triton kernels, or the PyTorch path (`compressed.py`).
+Triton kernels, the C++ CPU kernels (`cpu_ext.py`), or the PyTorch path
+(`compressed.py`).
 
 - `available(impl, device, ...)` lists the reasons why an implementation
   cannot run there (empty: it can).
 - `choose(device, ...)` picks one: on a CUDA device CUDA, then Triton, then
-  PyTorch; on any other device PyTorch (Triton's CPU interpreter can run the
-  kernels, far slower than PyTorch, so only when asked for by name). The
-  environment variable ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` |
-  ``torch`` forces one (an error, with the reasons, if it cannot run);
-  ``auto`` or unset picks.
+  PyTorch; on a CPU the C++ kernels (built on first use), then PyTorch
+  (Triton's CPU interpreter can run the kernels, far slower than PyTorch,
+  so only when asked for by name). It logs one line: the choice, and why
+  the ones before it cannot run. The environment variable
+  ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` | ``cpp`` | ``torch`` forces
+  one (an error, with the reasons, if it cannot run); ``auto`` or unset picks.
 - `ops(impl)` returns the implementation's three step ops, with the
   signatures of `compressed.write_raw`, `compressed.write_chunks` and
   `compressed.attend`; only the PyTorch `attend` reads the plan's dense
   bias (`needs_bias`).
 
 Nothing heavy is imported until an implementation is asked about: a CPU-only
-process never imports Triton through this module and never compiles CUDA.
+process never imports Triton through this module and never compiles CUDA;
+a CUDA process never compiles the C++ CPU kernels.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from vllm_chunked_kv.ops import compressed
 
-IMPLS = ("cuda", "triton", "torch")
+IMPLS = ("cuda", "triton", "cpp", "torch")
 IMPL_ENV = "CHUNKED_KV_IMPL"
 
 logger = logging.getLogger("vllm.chunked_kv.dispatch")
@@ -52,16 +55,31 @@ def available(impl: str, device=None, *, head_size: int | None = None, head_size
     device = resolve_device(device)
     if impl == "torch":
         return []
-    if impl == "cuda":
-        if device.type != "cuda":
-            return [f"tensors are on {device.type}: the CUDA extension needs a CUDA device"]
-        from vllm_chunked_kv.ops import cuda_ext
-
-        reasons = cuda_ext.unavailable_reasons()
+    if impl in ("cuda", "cpp"):  # the extensions, each for one device type
+        device_type, needs = _EXTENSION_DEVICE[impl]
+        if device.type != device_type:
+            return [f"tensors are on {device.type}: {needs}"]
+        module = _extension(impl)
+        reasons = module.unavailable_reasons()
         if head_size is not None:
-            reasons += cuda_ext.unsupported(head_size, head_size_v or head_size, group)
+            reasons += module.unsupported(head_size, head_size_v or head_size, group)
         return reasons
     return _triton_reasons(device)
+
+
+_EXTENSION_DEVICE = {"cuda": ("cuda", "the CUDA extension needs a CUDA device"),
+                     "cpp": ("cpu", "the C++ kernels run on the CPU")}
+
+
+def _extension(impl: str):
+    """The module of an extension implementation (imported on demand)."""
+    if impl == "cuda":
+        from vllm_chunked_kv.ops import cuda_ext
+
+        return cuda_ext
+    from vllm_chunked_kv.ops import cpu_ext
+
+    return cpu_ext
 
 
 def _triton_reasons(device: torch.device) -> list[str]:
@@ -102,6 +120,7 @@ def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str
     if key in _choices:
         return _choices[key]
     shapes = dict(head_size=head_size, head_size_v=head_size_v, group=group)
+    why = f"{IMPL_ENV}={forced}"
     if forced != "auto":
         if forced not in IMPLS:
             raise ValueError(f"implementation {forced!r} (from impl= or {IMPL_ENV}): choose from auto, {', '.join(IMPLS)}")
@@ -110,22 +129,34 @@ def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str
             raise RuntimeError(f"implementation {forced!r} cannot run on {device_type}: " + "; ".join(reasons))
         choice = forced
     else:
-        order = ("cuda", "triton", "torch") if device_type == "cuda" else ("torch",)
+        order = ("cuda", "triton", "torch") if device_type == "cuda" else ("cpp", "torch")
         skipped = {}
         for impl in order:
-            skipped[impl] = available(impl, device_type, **shapes)
-            if not skipped[impl]:
+            reasons = available(impl, device_type, **shapes)
+            if not reasons:
                 choice = impl
                 break
-        for impl, reasons in skipped.items():
-            if reasons:
-                logger.info("chunked KV: not using %s: %s", impl, "; ".join(reasons))
-    logger.info("chunked KV kernels on %s: %s", device_type, choice)
+            skipped[impl] = reasons
+        why = "; ".join(f"not using {impl}: {'; '.join(reasons)}" for impl, reasons in skipped.items())
+    logger.info("chunked KV kernels on %s: %s%s", device_type, choice, _detail(choice, why))
     _choices[key] = choice
     return choice
 
 
 _choices: dict[tuple, str] = {}
+
+
+def _detail(choice: str, why: str) -> str:
+    """What the log line adds to the choice: the C++ kernels' instruction set
+    and build, and why the implementations before it were passed over."""
+    parts = []
+    if choice == "cpp":
+        from vllm_chunked_kv.ops import cpu_ext
+
+        parts.append(cpu_ext.describe())
+    if why:
+        parts.append(why)
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def clear_choices() -> None:
@@ -156,6 +187,10 @@ def ops(impl: str) -> Ops:
         from vllm_chunked_kv.ops import cuda_ext
 
         return Ops("cuda", compressed.write_raw, cuda_ext.write_chunks, cuda_ext.attend)
+    if impl == "cpp":
+        from vllm_chunked_kv.ops import cpu_ext
+
+        return Ops("cpp", compressed.write_raw, cpu_ext.write_chunks, cpu_ext.attend)
     if impl == "triton":
         from vllm_chunked_kv.ops import triton_attention, triton_pool
 

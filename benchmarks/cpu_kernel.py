@@ -1,0 +1,137 @@
+"""The chunked KV ops alone on CPU: the C++ kernels (`ops/cpu_ext.py`) against
+the PyTorch path (`ops/compressed.py`) on the same pages, and the bytes the
+attention reads per second against a memcpy of as many bytes.
+
+For each context and batch, pages are laid out as vLLM's managers would
+(compressed pages for the whole context, raw pages only for the sinks and
+the window, the rest vLLM's null page), one copy per layer so that a step
+streams from memory as a model's would, and a step plan is built for one
+decode token per request, or for the last `--prefill` tokens of one
+request (a prefill piece). Times are the median over `--repeat` steps of
+all layers: the plan (once per step), `write_chunks` and `attend` per
+layer. ``read GB/s`` is the rows a decode step's attention reads (visible
+compressed slots and raw rows, keys and values, every KV head and layer)
+over its time; ``memcpy GB/s`` copies a buffer of the same size.
+
+    python benchmarks/cpu_kernel.py --contexts 2048 8192 16384 32768 --batches 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vllm_chunked_kv import layout
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE, PagedBatch, build_plan
+
+
+def paged_step(cfg: ChunkedKVConfig, context: int, batch: int, q_len: int, *, block_size: int, layers: int,
+               num_kv_heads: int, head_size: int, dtype: torch.dtype):
+    """Caches ``[layers]`` and the `PagedBatch` of one step whose requests end at `context`."""
+    per_block = layout.states_per_block(cfg, block_size)  # rows per page, compressed and raw
+    comp_pages = -(-context // block_size)
+    raw_pages = -(-context // per_block)
+    keep_from = max(0, context - q_len - layout.raw_window(cfg)) // per_block  # raw pages that exist
+    sink_pages = -(-cfg.sink_tokens // per_block)
+    block_table = torch.arange(batch * comp_pages).view(batch, comp_pages) + 1
+    raw_table = torch.full((batch, raw_pages), NULL_PAGE, dtype=torch.long)
+    live = [p for p in range(raw_pages) if p < sink_pages or p >= keep_from]
+    raw_table[:, live] = torch.arange(batch * len(live)).view(batch, len(live)) + 1
+    row = 2 * head_size
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(batch * comp_pages + 1, num_kv_heads, per_block, row, generator=gen).to(dtype),
+               torch.randn(batch * len(live) + 1, num_kv_heads, per_block, row, generator=gen).to(dtype))
+              for _ in range(layers)]
+    starts = [i * q_len for i in range(batch + 1)]
+    paged = PagedBatch(query_start=starts, seq_lens=[context] * batch, block_table=block_table,
+                       block_size=block_size, raw_block_table=raw_table, raw_block_size=per_block)
+    return caches, paged
+
+
+def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype, repeat: int) -> dict:
+    """Median seconds of the plan and of one step's write_chunks + attend over all layers."""
+    ops = dispatch.ops(impl)
+    n = paged.query_start[-1]
+    num_kv_heads = caches[0][0].shape[1]
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(n, heads, head_size, generator=gen).to(dtype)
+    step_rows = torch.randn(n, num_kv_heads, 2 * head_size, generator=gen).to(dtype)
+    out = query.new_empty(n, heads, head_size)
+    origins = [0] * num_kv_heads
+    plans, steps = [], []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        plan = build_plan(paged, cfg, origins, bias=ops.needs_bias)
+        planned = time.perf_counter()
+        for comp, raw in caches:
+            ops.write_chunks(comp, raw, step_rows, plan.writes, cfg, head_size)
+            ops.attend(query, step_rows, comp, raw, plan, head_size ** -0.5, out=out)
+        plans.append(planned - start)
+        steps.append(time.perf_counter() - planned)
+    keys = plan.key_sets
+    rows = sum(int(k.num_raw.sum()) + int(k.num_slots.sum()) + k.query_index.numel() for k in keys)
+    read = rows * num_kv_heads * 2 * head_size * caches[0][0].element_size() * len(caches)
+    return {"plan_s": statistics.median(plans[1:]), "step_s": statistics.median(steps[1:]), "bytes": read}
+
+
+def memcpy_bandwidth(nbytes: int, repeat: int) -> float:
+    """Bytes per second of copying `nbytes` (at least 64 MB, so that it streams from memory)."""
+    size = max(nbytes, 64 << 20) // 4
+    src, dst = torch.randn(size), torch.empty(size)
+    times = []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 4 * size / statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill piece (0: no prefill rows)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunked-kv", default="{\"chunk_size\": 4, \"window\": 128}")
+    args = parser.parse_args()
+    import json
+
+    torch.set_num_threads(args.threads)
+    cfg = ChunkedKVConfig(**json.loads(args.chunked_kv))
+    dtype = getattr(torch, args.dtype)
+    shape = dict(heads=args.heads, head_size=args.head_size, dtype=dtype, repeat=args.repeat)
+    print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "
+          f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name}")
+    print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
+          f"{'read GB/s':>9} {'memcpy GB/s':>11} {'fraction':>8}")
+    cases = [("decode", b, 1) for b in args.batches] + ([("prefill", 1, args.prefill)] if args.prefill else [])
+    for kind, batch, q_len in cases:
+        for context in args.contexts:
+            if q_len > context:
+                continue
+            caches, paged = paged_step(cfg, context, batch, q_len, block_size=args.block_size, layers=args.layers,
+                                       num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=dtype)
+            torch_t = time_ops("torch", cfg, caches, paged, **shape)
+            cpp_t = time_ops("cpp", cfg, caches, paged, **shape)
+            rate = cpp_t["bytes"] / cpp_t["step_s"]
+            copy = memcpy_bandwidth(cpp_t["bytes"], args.repeat)
+            label = f"{kind} b={batch}" if kind == "decode" else f"prefill {q_len}"
+            print(f"{label:>14} {context:>7} {cpp_t['plan_s'] * 1e3:>8.2f} {torch_t['step_s'] * 1e3:>9.2f} "
+                  f"{cpp_t['step_s'] * 1e3:>8.2f} {torch_t['step_s'] / cpp_t['step_s']:>7.2f} "
+                  f"{rate / 1e9:>9.2f} {copy / 1e9:>11.2f} {rate / copy:>8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

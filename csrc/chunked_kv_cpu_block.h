@@ -1,0 +1,247 @@
+// One tile's online softmax over blocks of key rows (CPU kernels; included
+// by chunked_kv_cpu_attend.h inside one instruction set's translation unit).
+//
+// A tile is up to kMaxTileRows query rows (queries x the GQA group of one KV
+// head) that read the same key rows. A block is up to kBlockKeys rows, each
+// given by a pointer to its keys (its values follow at head_d), or null when
+// no row of the tile sees it (it is then never read), and what each query
+// adds to its logit: the row's bias if the query sees it, else -inf.
+// Folding a block:
+//
+// 1. logits [R, N]: few rows (a decode's GQA group) take dot products
+//    straight from the row, every query row from one load of each key
+//    vector (bf16 pairs through AVX-512 BF16 dot products when queries and
+//    keys are bf16); a multi-token tile first packs the block's keys
+//    transposed in fp32 and runs a register-blocked R x N product;
+// 2. the online softmax update per query row, vectorised (hidden logits weigh 0);
+// 3. acc [R, Dv] += P [R, N] @ V [N, Dv], register-blocked, each value
+//    vector loaded once per row group (packed in fp32 for multi-token tiles).
+#pragma once
+
+#include "chunked_kv_cpu.h"
+#include "chunked_kv_cpu_simd.h"
+
+namespace chunked_kv_cpu {
+namespace {
+
+constexpr float kNegBig = -1.0e30f;  // finite start of the running max
+constexpr int kRowBlock = W >= 16 ? 4 : 2;  // query rows per register block
+constexpr int kPackRows = 8;  // tiles with more query rows pack each block's rows in fp32
+
+struct Tile {
+  int rows, group;  // query rows; query row r is query r / group
+  int head_d, head_dv, dp, dvp;  // head sizes, padded to whole vectors
+  bool packed, dot_bf16;
+  float post_scale;  // the softmax scale, applied to bf16 dot products (the fp32 queries carry it)
+  float* q;          // [rows, dp] queries times the scale, fp32, zero-padded
+  uint16_t* q_bf16;  // [rows, round_up(head_d, 32)] bf16 queries, unscaled (dot_bf16 only)
+  float* acc;        // [rows, dvp]
+  float* kt;         // [dp, kBlockKeys] packed keys, transposed
+  float* vp;         // [kBlockKeys, dvp] packed values
+  float m[kMaxTileRows], l[kMaxTileRows];
+  float p[kMaxTileRows][kBlockKeys];  // logits, then probabilities
+  const void* ahead[kBlockKeys];      // the next block's rows, fetched while this one is folded
+  int ahead_n, row_bytes;
+};
+
+struct Block {
+  int n;                                  // rows in the block
+  const void* row[kBlockKeys];            // keys, values at + head_d; null: seen by none
+  float add[kMaxTileRows][kBlockKeys];    // [query][row]: bias if seen, else -inf (also beyond n)
+};
+
+// Ask for a row's cache lines ahead of its use: a KV head's rows run 4 KB
+// at most before the next page, which hardware prefetchers do not cross.
+static inline void prefetch_row(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// The next block's row n, asked for while row n of this block is folded
+// (one row at a time: a burst of a whole block would overflow the misses
+// a core can have in flight).
+static inline void prefetch_ahead(const Tile& t, int n) {
+  if (n < t.ahead_n) prefetch_row(t.ahead[n], t.row_bytes);
+}
+
+// --- 1. logits
+
+template <typename T, int NR>
+static inline void dots_rows(Tile& t, int r0, const T* key, int n) {
+  vf acc[NR];
+  for (int i = 0; i < NR; ++i) acc[i] = vzero();
+  for (int d = 0; d < t.head_d; d += W) {
+    const vf k = vload_upto(key + d, t.head_d - d);
+    for (int i = 0; i < NR; ++i) acc[i] = vfma(vload(t.q + (r0 + i) * t.dp + d), k, acc[i]);
+  }
+  for (int i = 0; i < NR; ++i) t.p[r0 + i][n] = vsum(acc[i]);
+}
+
+#if defined(CHUNKED_KV_AVX512_BF16)
+template <int NR>
+static inline void dots_rows_bf16(Tile& t, int r0, const Bf16* key, int n) {
+  const int stride = round_up(t.head_d, 32);
+  __m512 acc[NR];
+  for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int d = 0; d < t.head_d; d += 32) {
+    const int left = t.head_d - d;
+    const __mmask32 mask = left >= 32 ? ~0u : (1u << left) - 1u;
+    const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d);
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh q = (__m512bh)_mm512_loadu_si512(t.q_bf16 + (r0 + i) * stride + d);
+      acc[i] = _mm512_dpbf16_ps(acc[i], q, k);
+    }
+  }
+  for (int i = 0; i < NR; ++i) t.p[r0 + i][n] = _mm512_reduce_add_ps(acc[i]) * t.post_scale;
+}
+#endif
+
+template <typename T> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<Bf16> { static constexpr bool value = true; };
+
+template <typename T, int NR>
+static inline void dots_key(Tile& t, int r0, const T* key, int n) {
+#if defined(CHUNKED_KV_AVX512_BF16)
+  if constexpr (IsBf16<T>::value) {
+    if (t.dot_bf16) return dots_rows_bf16<NR>(t, r0, key, n);
+  }
+#endif
+  dots_rows<T, NR>(t, r0, key, n);
+}
+
+template <int NR>
+static inline void packed_logits(Tile& t, int r0) {  // t.p[r0 .. r0+NR) = q @ kt
+  constexpr int NC = kBlockKeys / W;
+  vf acc[NR][NC];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = vzero();
+  for (int d = 0; d < t.head_d; ++d) {
+    vf k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = vload(t.kt + d * kBlockKeys + c * W);
+    for (int i = 0; i < NR; ++i) {
+      const vf q = vset(t.q[(r0 + i) * t.dp + d]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = vfma(q, k[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) vstore(&t.p[r0 + i][c * W], acc[i][c]);
+}
+
+template <typename T>
+static void block_logits(Tile& t, const Block& b) {
+  if (t.packed) {
+    for (int n = 0; n < kBlockKeys; ++n) {
+      prefetch_ahead(t, n);
+      const T* row = n < b.n ? static_cast<const T*>(b.row[n]) : nullptr;
+      float* vrow = t.vp + n * t.dvp;
+      for (int d = 0; d < t.head_d; ++d) t.kt[d * kBlockKeys + n] = row ? to_float(row[d]) : 0.f;
+      for (int d = 0; d < t.dvp; ++d) vrow[d] = row && d < t.head_dv ? to_float(row[t.head_d + d]) : 0.f;
+    }
+    int r = 0;
+    for (; r + kRowBlock <= t.rows; r += kRowBlock) packed_logits<kRowBlock>(t, r);
+    for (; r < t.rows; ++r) packed_logits<1>(t, r);
+    return;
+  }
+  for (int n = 0; n < kBlockKeys; ++n) {
+    prefetch_ahead(t, n);
+    if (n >= b.n || !b.row[n]) continue;
+    const T* key = static_cast<const T*>(b.row[n]);
+    int r = 0;
+    for (; r + kRowBlock <= t.rows; r += kRowBlock) dots_key<T, kRowBlock>(t, r, key, n);
+    for (; r < t.rows; ++r) dots_key<T, 1>(t, r, key, n);
+  }
+}
+
+// --- 2. online softmax
+
+static void block_softmax(Tile& t, const Block& b) {
+  for (int r = 0; r < t.rows; ++r) {
+    float* lg = t.p[r];
+    const float* add = b.add[r / t.group];
+    vf top = vset(-INFINITY);
+    for (int n = 0; n < kBlockKeys; n += W) {
+      const vf x = vadd(vload(lg + n), vload(add + n));
+      vstore(lg + n, x);
+      top = vmax(top, x);
+    }
+    const float block_max = vhmax(top);
+    if (block_max == -INFINITY) {  // nothing seen in this block
+      for (int n = 0; n < kBlockKeys; ++n) lg[n] = 0.f;
+      continue;
+    }
+    const float m_new = block_max > t.m[r] ? block_max : t.m[r];
+    const float alpha = expf(t.m[r] - m_new);
+    vf sum = vzero();
+    for (int n = 0; n < kBlockKeys; n += W) {
+      const vf e = vexp(vsub(vload(lg + n), vset(m_new)));
+      vstore(lg + n, e);
+      sum = vadd(sum, e);
+    }
+    t.l[r] = t.l[r] * alpha + vsum(sum);
+    t.m[r] = m_new;
+    if (alpha != 1.f) {
+      float* acc = t.acc + r * t.dvp;
+      for (int d = 0; d < t.dvp; d += W) vstore(acc + d, vmul(vload(acc + d), vset(alpha)));
+    }
+  }
+}
+
+// --- 3. values
+
+template <typename T, int NR, int NC>
+static inline void pv_block(Tile& t, const Block& b, int r0, int d0, const T* const* values, int stride) {
+  vf acc[NR][NC];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = vload(t.acc + (r0 + i) * t.dvp + d0 + c * W);
+  for (int n = 0; n < b.n; ++n) {
+    if (!values[n]) continue;
+    const T* v = values[n] + d0;
+    vf x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = vload_upto(v + c * W, stride - d0 - c * W);
+    for (int i = 0; i < NR; ++i) {
+      const vf p = vset(t.p[r0 + i][n]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = vfma(p, x[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) vstore(t.acc + (r0 + i) * t.dvp + d0 + c * W, acc[i][c]);
+}
+
+template <typename T, int NR>
+static inline void pv_rows(Tile& t, const Block& b, int r0, const T* const* values, int stride) {
+  int d = 0;
+  for (; d + 4 * W <= t.dvp; d += 4 * W) pv_block<T, NR, 4>(t, b, r0, d, values, stride);
+  for (; d < t.dvp; d += W) pv_block<T, NR, 1>(t, b, r0, d, values, stride);
+}
+
+template <typename T>
+static void block_values(Tile& t, const Block& b) {
+  const void* ptrs[kBlockKeys];
+  int stride = t.head_dv;  // readable elements of each value row
+  if (t.packed) {
+    for (int n = 0; n < b.n; ++n) ptrs[n] = b.row[n] ? t.vp + n * t.dvp : nullptr;
+    stride = t.dvp;
+  } else {
+    for (int n = 0; n < b.n; ++n) ptrs[n] = b.row[n] ? static_cast<const T*>(b.row[n]) + t.head_d : nullptr;
+  }
+  auto run = [&](auto tag) {
+    using V = decltype(tag);
+    const V* const* values = reinterpret_cast<const V* const*>(ptrs);
+    int r = 0;
+    for (; r + kRowBlock <= t.rows; r += kRowBlock) pv_rows<V, kRowBlock>(t, b, r, values, stride);
+    for (; r < t.rows; ++r) pv_rows<V, 1>(t, b, r, values, stride);
+  };
+  if (t.packed) run(float{});
+  else run(T{});
+}
+
+template <typename T>
+static void fold_block(Tile& t, const Block& b) {
+  if (b.n == 0) return;
+  block_logits<T>(t, b);
+  block_softmax(t, b);
+  block_values<T>(t, b);
+}
+
+}  // namespace
+}  // namespace chunked_kv_cpu

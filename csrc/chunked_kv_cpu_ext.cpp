@@ -1,0 +1,256 @@
+// Torch binding of the CPU kernels (chunked_kv_cpu.h): checks the tensors,
+// fills the argument structs and runs the kernels of the widest instruction
+// set this CPU has (or the one `set_isa` names), with
+// as many OpenMP threads as torch uses. Built on demand by
+// vllm_chunked_kv/ops/cpu_ext.py, which turns a step's `StepPlan` into these calls.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "chunked_kv_cpu.h"
+
+namespace {
+
+using at::Tensor;
+using chunked_kv_cpu::DType;
+using chunked_kv_cpu::KernelTable;
+
+std::atomic<int64_t> g_write_calls{0}, g_attend_calls{0};
+
+// The instruction sets this CPU can run, widest first.
+std::vector<const KernelTable*> supported_tables() {
+  std::vector<const KernelTable*> tables;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) tables.push_back(&chunked_kv_cpu::kAvx512Bf16Table);
+  if (avx512) tables.push_back(&chunked_kv_cpu::kAvx512Table);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    tables.push_back(&chunked_kv_cpu::kAvx2Table);
+#endif
+  tables.push_back(&chunked_kv_cpu::kScalarTable);
+  return tables;
+}
+
+const KernelTable* g_table = nullptr;  // the kernels in use (null: the widest, chosen on first use)
+
+const KernelTable& table() {
+  if (g_table == nullptr) g_table = supported_tables().front();
+  return *g_table;
+}
+
+// Run the kernels of instruction set `isa` from now on (an error if this CPU lacks it).
+void set_isa(const std::string& isa) {
+  for (const KernelTable* t : supported_tables()) {
+    if (isa == t->isa) {
+      g_table = t;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "chunked_kv: instruction set ", isa, " is not supported by this CPU");
+}
+
+DType dtype_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "chunked_kv: ", name, " has unsupported dtype ", t.scalar_type());
+  }
+}
+
+void check_rows(const Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == dim, "chunked_kv: ", name, " must have ", dim, " dimensions, not ", t.dim());
+  TORCH_CHECK(t.stride(-1) == 1, "chunked_kv: ", name, " must have contiguous rows (last-dim stride 1)");
+}
+
+const int64_t* index(const Tensor& t, const char* name, int64_t rows, int64_t cols = -1) {
+  TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), "chunked_kv: ", name,
+              " must be a contiguous int64 CPU tensor");
+  const bool ok = cols < 0 ? t.dim() == 1 && t.size(0) == rows : t.dim() == 2 && t.size(0) == rows && t.size(1) == cols;
+  TORCH_CHECK(ok, "chunked_kv: ", name, " has shape ", t.sizes(), ", expected [", rows, cols < 0 ? "" : ", ",
+              cols < 0 ? "" : std::to_string(cols), "]");
+  return t.data_ptr<int64_t>();
+}
+
+// Block/head/row strides of both caches, into either argument struct.
+template <typename Args>
+void set_cache_strides(Args& a, const Tensor& raw_cache, const Tensor& comp_cache) {
+  a.stride_rb = raw_cache.stride(0);
+  a.stride_rh = raw_cache.stride(1);
+  a.stride_rs = raw_cache.stride(2);
+  a.stride_cb = comp_cache.stride(0);
+  a.stride_ch = comp_cache.stride(1);
+  a.stride_cs = comp_cache.stride(2);
+}
+
+// The step rows must be in the cache dtype or fp32 (the wrapper converts others).
+DType step_dtype(const Tensor& step_rows, DType cache) {
+  const DType step = dtype_of(step_rows, "step_rows");
+  TORCH_CHECK(step == cache || step == DType::kFloat32, "chunked_kv: step_rows must be fp32 or the cache dtype");
+  return step;
+}
+
+void write_chunks(Tensor comp_cache, const Tensor& raw_cache, const Tensor& step_rows, const Tensor& gains,
+                  const Tensor& heads, const Tensor& src_blocks, const Tensor& src_offsets, const Tensor& src_step,
+                  const Tensor& dst_blocks, const Tensor& dst_offsets, int64_t head_d, int64_t pool_lo,
+                  int64_t pool_hi, bool key_norm) {
+  check_rows(comp_cache, "comp_cache", 4);
+  check_rows(raw_cache, "raw_cache", 4);
+  check_rows(step_rows, "step_rows", 3);
+  TORCH_CHECK(comp_cache.scalar_type() == raw_cache.scalar_type(), "chunked_kv: the caches differ in dtype");
+  chunked_kv_cpu::WriteArgs a{};
+  a.num_chunks = heads.numel();
+  a.chunk_size = static_cast<int>(src_blocks.size(1));
+  a.slots_per_group = static_cast<int>(dst_blocks.size(1));
+  TORCH_CHECK(a.chunk_size <= chunked_kv_cpu::kMaxChunk, "chunked_kv: chunk_size above ", chunked_kv_cpu::kMaxChunk);
+  TORCH_CHECK(gains.scalar_type() == at::kFloat && gains.is_contiguous() && gains.numel() == a.chunk_size,
+              "chunked_kv: gains must be chunk_size contiguous fp32 values");
+  a.cache_dtype = dtype_of(comp_cache, "comp_cache");
+  a.step_dtype = step_dtype(step_rows, a.cache_dtype);
+  a.step_rows = step_rows.data_ptr();
+  a.raw_cache = raw_cache.data_ptr();
+  a.comp_cache = comp_cache.data_ptr();
+  a.gains = gains.data_ptr<float>();
+  a.heads = index(heads, "heads", a.num_chunks);
+  a.src_blocks = index(src_blocks, "src_blocks", a.num_chunks, a.chunk_size);
+  a.src_offsets = index(src_offsets, "src_offsets", a.num_chunks, a.chunk_size);
+  a.src_step = index(src_step, "src_step", a.num_chunks, a.chunk_size);
+  a.dst_blocks = index(dst_blocks, "dst_blocks", a.num_chunks, a.slots_per_group);
+  a.dst_offsets = index(dst_offsets, "dst_offsets", a.num_chunks, a.slots_per_group);
+  a.stride_st = step_rows.stride(0);
+  a.stride_sh = step_rows.stride(1);
+  set_cache_strides(a, raw_cache, comp_cache);
+  a.head_d = static_cast<int>(head_d);
+  a.head_dv = static_cast<int>(raw_cache.size(3) - head_d);
+  a.pool_lo = static_cast<int>(pool_lo);
+  a.pool_hi = static_cast<int>(pool_hi);
+  a.key_norm = key_norm;
+  a.num_threads = at::get_num_threads();
+  ++g_write_calls;
+  if (a.num_chunks) table().write_chunks(a);
+}
+
+void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, const Tensor& comp_cache,
+            const Tensor& raw_cache, Tensor out, Tensor part_acc, Tensor part_ml, const Tensor& query_index,
+            const Tensor& query_positions, const Tensor& raw_blocks, const Tensor& raw_offsets,
+            const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
+            const Tensor& num_slots, const Tensor& origins, double scale, double log_weight, int64_t window,
+            int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group, int64_t tile_q,
+            int64_t num_splits) {
+  check_rows(query, "query", 3);
+  check_rows(step_rows, "step_rows", 3);
+  check_rows(comp_cache, "comp_cache", 4);
+  check_rows(raw_cache, "raw_cache", 4);
+  check_rows(out, "out", 3);
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "chunked_kv: query must be fp32 (the wrapper converts it)");
+  TORCH_CHECK(comp_cache.scalar_type() == raw_cache.scalar_type(), "chunked_kv: the caches differ in dtype");
+  chunked_kv_cpu::AttendArgs a{};
+  a.num_rows = query_index.size(0);
+  a.num_q = query_index.size(1);
+  a.max_raw = raw_blocks.size(1);
+  a.max_slots = comp_blocks.size(1);
+  a.num_tokens = query.size(0);
+  a.num_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(raw_cache.size(1));
+  a.head_d = static_cast<int>(query.size(2));
+  a.head_dv = static_cast<int>(raw_cache.size(3) - a.head_d);
+  const int group = a.num_heads / a.num_kv_heads;
+  TORCH_CHECK(a.num_heads % a.num_kv_heads == 0, "chunked_kv: query heads are not a multiple of the KV heads");
+  TORCH_CHECK(tile_q >= 1 && tile_q * group <= chunked_kv_cpu::kMaxTileRows, "chunked_kv: a tile of ", tile_q,
+              " queries x ", group, " heads exceeds ", chunked_kv_cpu::kMaxTileRows, " rows");
+  TORCH_CHECK(a.head_dv >= 1 && a.head_dv <= 1024, "chunked_kv: value head size must be in [1, 1024]");
+  a.cache_dtype = dtype_of(comp_cache, "comp_cache");
+  a.step_dtype = step_dtype(step_rows, a.cache_dtype);
+  a.out_dtype = dtype_of(out, "out");
+  a.query = query.data_ptr<float>();
+  a.query_is_bf16 = query_is_bf16;
+  a.step_rows = step_rows.data_ptr();
+  a.raw_cache = raw_cache.data_ptr();
+  a.comp_cache = comp_cache.data_ptr();
+  a.out = out.data_ptr();
+  a.num_splits = static_cast<int>(num_splits);
+  if (num_splits > 1) {
+    TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_acc.is_contiguous() &&
+                part_acc.numel() == num_splits * a.num_tokens * a.num_heads * a.head_dv, "chunked_kv: bad part_acc");
+    TORCH_CHECK(part_ml.scalar_type() == at::kFloat && part_ml.is_contiguous() &&
+                part_ml.numel() == 2 * num_splits * a.num_tokens * a.num_heads, "chunked_kv: bad part_ml");
+    a.part_acc = part_acc.data_ptr<float>();
+    a.part_ml = part_ml.data_ptr<float>();
+  }
+  a.query_index = index(query_index, "query_index", a.num_rows, a.num_q);
+  a.query_positions = index(query_positions, "query_positions", a.num_rows, a.num_q);
+  a.raw_blocks = index(raw_blocks, "raw_blocks", a.num_rows, a.max_raw);
+  a.raw_offsets = index(raw_offsets, "raw_offsets", a.num_rows, a.max_raw);
+  a.raw_positions = index(raw_positions, "raw_positions", a.num_rows, a.max_raw);
+  a.num_raw = index(num_raw, "num_raw", a.num_rows);
+  a.comp_blocks = index(comp_blocks, "comp_blocks", a.num_rows, a.max_slots);
+  a.comp_offsets = index(comp_offsets, "comp_offsets", a.num_rows, a.max_slots);
+  a.num_slots = index(num_slots, "num_slots", a.num_rows);
+  a.origins = index(origins, "origins", a.num_kv_heads);
+  a.stride_qt = query.stride(0);
+  a.stride_qh = query.stride(1);
+  a.stride_st = step_rows.stride(0);
+  a.stride_sh = step_rows.stride(1);
+  a.stride_ot = out.stride(0);
+  a.stride_oh = out.stride(1);
+  set_cache_strides(a, raw_cache, comp_cache);
+  a.window = window;
+  a.sink_tokens = sink_tokens;
+  a.chunk_size = static_cast<int>(chunk_size);
+  a.hop = static_cast<int>(hop);
+  a.slots_per_group = static_cast<int>(slots_per_group);
+  a.tile_q = static_cast<int>(tile_q);
+  a.scale = static_cast<float>(scale);
+  a.log_weight = static_cast<float>(log_weight);
+  a.num_threads = at::get_num_threads();
+  ++g_attend_calls;
+  if (a.num_rows && a.num_q) table().attend(a);
+}
+
+void merge_splits(const Tensor& part_acc, const Tensor& part_ml, Tensor out) {
+  check_rows(out, "out", 3);
+  chunked_kv_cpu::MergeArgs a{};
+  a.num_splits = static_cast<int>(part_acc.size(0));
+  a.num_tokens = out.size(0);
+  a.num_heads = static_cast<int>(out.size(1));
+  a.head_dv = static_cast<int>(out.size(2));
+  TORCH_CHECK(part_acc.is_contiguous() && part_ml.is_contiguous() && a.head_dv <= 1024 &&
+              part_acc.numel() == a.num_splits * a.num_tokens * a.num_heads * a.head_dv &&
+              part_ml.numel() == 2 * a.num_splits * a.num_tokens * a.num_heads, "chunked_kv: bad partials");
+  a.part_acc = part_acc.data_ptr<float>();
+  a.part_ml = part_ml.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.out_dtype = dtype_of(out, "out");
+  a.stride_ot = out.stride(0);
+  a.stride_oh = out.stride(1);
+  a.num_threads = at::get_num_threads();
+  table().merge_splits(a);
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const KernelTable* t : supported_tables()) names.emplace_back(t->isa);
+  return names;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_chunks", &write_chunks, "Pool the chunks a step completes into their compressed slots");
+  m.def("attend", &attend, "Chunked attention of one key set's queries");
+  m.def("merge_splits", &merge_splits, "Merge split partial softmaxes into out");
+  m.def("isa", [] { return std::string(table().isa); }, "The instruction set whose kernels run");
+  m.def("set_isa", &set_isa, "Run the kernels of this instruction set (one of supported_isas())");
+  m.def("supported_isas", &supported_isas, "Instruction sets this CPU can run, widest first");
+  m.def("calls", [] { return std::make_pair(g_write_calls.load(), g_attend_calls.load()); },
+        "(write_chunks, attend) calls so far");
+  m.attr("MAX_TILE_ROWS") = chunked_kv_cpu::kMaxTileRows;
+  m.attr("MAX_CHUNK") = chunked_kv_cpu::kMaxChunk;
+}

@@ -1,0 +1,174 @@
+// Vector helpers of the CPU kernels for one instruction set, chosen by the
+// including translation unit (chunked_kv_cpu_<isa>.cpp) through
+// CHUNKED_KV_AVX512 / CHUNKED_KV_AVX2 (neither: scalar). Everything is
+// internal (static): each instruction set's copy stays in its own object.
+//
+// `vf` holds W fp32 lanes. Loads convert from the storage types (fp32, bf16,
+// fp16) to fp32; the `_n` loads read the first n < W elements, zero-filling
+// the rest, and never touch memory beyond them.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(CHUNKED_KV_AVX512) || defined(CHUNKED_KV_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace chunked_kv_cpu {
+namespace {
+
+struct Bf16 { uint16_t bits; };  // storage types of the caches, step rows and out
+struct Half { uint16_t bits; };
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline float to_float(Half x) {
+  _Float16 h;
+  memcpy(&h, &x.bits, 2);
+  return static_cast<float>(h);
+}
+
+template <typename T> static inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline Bf16 from_float<Bf16>(float x) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+template <> inline Half from_float<Half>(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  Half out;
+  memcpy(&out.bits, &h, 2);
+  return out;
+}
+
+// x rounded to the storage type T and back (what storing it in T keeps).
+template <typename T> static inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+#if defined(CHUNKED_KV_AVX512)
+constexpr int W = 16;
+typedef __m512 vf;
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vset(float x) { return _mm512_set1_ps(x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+static inline __mmask16 first_n(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vload_n(const float* p, int n) { return _mm512_maskz_loadu_ps(first_n(n), p); }
+static inline vf bf16_lanes(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline vf vload(const Bf16* p) { return bf16_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+static inline vf vload_n(const Bf16* p, int n) { return bf16_lanes(_mm256_maskz_loadu_epi16(first_n(n), p)); }
+static inline vf vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+static inline vf vload_n(const Half* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_n(n), p)); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// y * 2^n for integral n, and 0 where x < lo.
+static inline vf vscale_live(vf y, vf n, vf x, float lo) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(lo), _CMP_GE_OQ), _mm512_scalef_ps(y, n));
+}
+#elif defined(CHUNKED_KV_AVX2)
+constexpr int W = 8;
+typedef __m256 vf;
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vset(float x) { return _mm256_set1_ps(x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline float vhmax(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vload(const Bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <typename T>
+static inline vf vload_n(const T* p, int n) {  // through a zeroed copy: no 16-bit masked loads in AVX2
+  T tmp[W];
+  memset(tmp, 0, sizeof(tmp));
+  memcpy(tmp, p, sizeof(T) * n);
+  return vload(tmp);
+}
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale_live(vf y, vf n, vf x, float lo) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_cmp_ps(x, vset(lo), _CMP_GE_OQ), vmul(y, _mm256_castsi256_ps(e)));
+}
+#else
+constexpr int W = 1;
+typedef float vf;
+static inline vf vzero() { return 0.f; }
+static inline vf vset(float x) { return x; }
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vsub(vf a, vf b) { return a - b; }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+static inline float vsum(vf a) { return a; }
+static inline float vhmax(vf a) { return a; }
+static inline void vstore(float* p, vf a) { *p = a; }
+template <typename T> static inline vf vload(const T* p) { return to_float(*p); }
+template <typename T> static inline vf vload_n(const T* p, int) { return to_float(*p); }
+static inline vf vexp(vf x) { return x < -87.33654f ? 0.f : expf(x); }
+#endif
+
+#if defined(CHUNKED_KV_AVX512) || defined(CHUNKED_KV_AVX2)
+// e^x (Cephes' polynomial, ~1 ulp); 0 below -87.3, so e^-inf = 0.
+static inline vf vexp(vf x) {
+  constexpr float lo = -87.33654f;
+  const vf c = vmin(vmax(x, vset(lo)), vset(88.37626f));
+  const vf n = vround(vmul(c, vset(1.44269504f)));
+  vf r = vfma(n, vset(-0.693359375f), c);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  vf y = vset(1.9875691500e-4f);
+  y = vfma(y, r, vset(1.3981999507e-3f));
+  y = vfma(y, r, vset(8.3334519073e-3f));
+  y = vfma(y, r, vset(4.1665795894e-2f));
+  y = vfma(y, r, vset(1.6666665459e-1f));
+  y = vfma(y, r, vset(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset(1.f)));
+  return vscale_live(y, n, x, lo);
+}
+#endif
+
+// The first `n` elements at p, as fp32 (a full vector when n >= W).
+template <typename T>
+static inline vf vload_upto(const T* p, int n) { return n >= W ? vload(p) : vload_n(p, n); }
+
+static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+}  // namespace
+}  // namespace chunked_kv_cpu

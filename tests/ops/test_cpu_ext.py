@@ -1,0 +1,205 @@
+"""Contract of vllm_chunked_kv.ops.cpu_ext and the C++ CPU kernels (csrc/chunked_kv_cpu*).
+
+Loading:
+- the extension builds here (a C++ compiler is installed) and reports the
+  instruction set it runs, the ones this CPU supports, its flags and library;
+- ``CHUNKED_KV_BUILD_CPP=0`` or missing sources are a reason without a
+  build; a failed build is exactly one warning naming the cause, after which
+  the kernels are unavailable with that cause as their reason and the
+  dispatcher runs PyTorch, saying why in its one log line;
+- the shape limits (GQA group, value head size) are reasons without a build.
+
+Through `schedule.run_schedule` with ``impl="cpp"`` (a simulated vLLM
+pager, random steps mixing prefill, chunked prefill and decodes; dropped raw
+rows are NaN, so reading one, even masked, fails): at every step the
+compressed rows equal `compressed.write_chunks` (target slots NaN before
+the call) and every query's output equals `reference_chunked_attention`
+(output NaN before the call, so an unwritten element fails), for every
+setting of `schedule.CONFIGS` with GQA 1 and 4 in fp32, and in bf16 and fp16
+caches (their tolerance), with the odd lengths 63 and 100 among the
+requests; one schedule of 2,000 tokens; every instruction set this CPU has
+(AVX-512 BF16, AVX-512, AVX2, scalar) in fp32 and bf16; GQA 3, values wider
+than keys, heads that are not whole vectors, several query tiles per
+request, split contexts, decode-only batches, caches with head-major strides
+and padded rows, fp32 queries over bf16 caches, and bf16 queries with fp32
+step rows into an fp16 ``out`` (against `compressed.attend`). The kernels
+really run: their call counters grow while the PyTorch ops are disabled.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
+
+from . import schedule
+from .schedule import (CONFIGS, KERNEL_SHAPES, kernel_lengths, run_schedule, run_shape, strided,
+                       wrap_pager_caches)
+
+torch.set_num_threads(1)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def module():
+    cpu_ext._reset_for_tests()
+    built = cpu_ext.load()
+    assert built is not None, cpu_ext.unavailable_reasons()
+    return built
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """cpu_ext and the dispatcher with nothing loaded or chosen; restored afterwards."""
+    saved = dict(cpu_ext._state)
+    cpu_ext._reset_for_tests()
+    dispatch.clear_choices()
+    monkeypatch.delenv(dispatch.IMPL_ENV, raising=False)
+    yield
+    cpu_ext._state.update(saved)
+    dispatch.clear_choices()
+
+
+@pytest.fixture
+def isa(module):
+    """Set an instruction set for one test; the widest again afterwards."""
+    yield module.set_isa
+    module.set_isa(module.supported_isas()[0])
+
+
+# ------------------------------------------------------------------ loading
+
+
+def test_builds_and_reports_what_runs(module):
+    isas = module.supported_isas()
+    assert isas[-1] == "scalar" and module.isa() == isas[0]
+    assert (module.MAX_TILE_ROWS, module.MAX_CHUNK) == (cpu_ext.MAX_TILE_ROWS, cpu_ext.MAX_CHUNK)
+    text = cpu_ext.describe()
+    assert text.startswith(f"{isas[0]} kernels") and "-O3 -fopenmp" in text and module.__file__ in text
+    assert dispatch.available("cpp", "cpu") == []
+
+
+def test_build_forbidden_or_sources_missing_is_a_reason_without_a_build(fresh_state, monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setenv(cpu_ext.BUILD_ENV, "0")
+    assert cpu_ext.BUILD_ENV in cpu_ext.unavailable_reasons()[0]
+    cpu_ext._reset_for_tests()
+    monkeypatch.delenv(cpu_ext.BUILD_ENV)
+    monkeypatch.setattr(cpu_ext, "SOURCES_DIR", tmp_path)
+    (reason,) = cpu_ext.unavailable_reasons()
+    assert "not found" in reason and "chunked_kv_cpu_ext.cpp" in reason
+
+
+def test_failed_build_is_one_warning_and_falls_back(fresh_state, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'chunked_kv_cpu'\nc++: fatal error: killed")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", "vllm.chunked_kv.dispatch"):
+        warnings.simplefilter("always")
+        assert cpu_ext.load() is None and cpu_ext.load() is None
+        assert dispatch.choose("cpu", head_size=64) == "torch"
+    assert len(caught) == 1 and "fatal error: killed" in str(caught[0].message)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("chunked KV kernels on cpu: torch (not using cpp: building the C++ CPU kernels failed")
+
+
+def test_cpu_chooses_cpp_and_says_which_kernels(module, fresh_state, caplog):
+    cpu_ext._state.update(tried=True, module=module, flags=cpu_ext.build_flags())
+    with caplog.at_level("INFO", "vllm.chunked_kv.dispatch"):
+        assert dispatch.choose("cpu", head_size=64, group=4) == "cpp"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"chunked KV kernels on cpu: cpp ({module.isa()} kernels")
+    assert dispatch.choose("cpu", head_size=64, group=cpu_ext.MAX_TILE_ROWS + 1) == "torch"
+
+
+def test_limits_are_reasons():
+    assert len(cpu_ext.unsupported(64, 2048, cpu_ext.MAX_TILE_ROWS + 1)) == 2
+    assert cpu_ext.unsupported(256, cpu_ext.MAX_HEAD_SIZE_V, cpu_ext.MAX_TILE_ROWS) == []
+
+
+def test_binding_rejects_strided_rows(module):
+    cache = torch.zeros(4, 2, 8, 16).transpose(2, 3)  # last-dim stride 16
+    index = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        module.write_chunks(cache, cache, torch.zeros(3, 2, 8), torch.zeros(4), index[0, :1], index, index, index,
+                            index[:, :1], index[:, :1], 4, 0, 4, False)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_steps_equal_reference(module, name, group):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cpp", group=group, tol=1e-4) > 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_half_precision_caches_equal_reference(module, name, dtype):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, kernel_lengths(cfg, 5), seed=5, impl="cpp", group=2, dtype=dtype,
+                        tol=TOLERANCE[dtype]) > 4
+
+
+def test_two_thousand_tokens(module):
+    cfg = ChunkedKVConfig(mitigation="boundary", chunk_size=8, window=64, sink_tokens=3)
+    assert run_schedule(cfg, [2000, 100, 63], seed=1, impl="cpp", group=4, tol=1e-4) > 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["boundary-key_norm", "stagger-heads"])
+def test_every_instruction_set(module, isa, name, dtype):
+    for each in module.supported_isas():
+        isa(each)
+        assert module.isa() == each
+        cfg = ChunkedKVConfig(**CONFIGS[name])
+        run_schedule(cfg, kernel_lengths(cfg, 6), seed=6, impl="cpp", group=4, dtype=dtype, tol=TOLERANCE[dtype],
+                     attend_kwargs=dict(block_m=5))
+
+
+@pytest.mark.parametrize("name, options", KERNEL_SHAPES + [
+    ("overlap", dict(group=16, dtype=torch.bfloat16, tol=3e-2)),  # 16 rows per decode tile
+    ("none-sinks", dict(group=cpu_ext.MAX_TILE_ROWS, num_kv_heads=1, head_size=4)),  # the largest tile
+])
+def test_shapes_tiles_splits_and_dtypes(module, name, options):
+    assert run_shape(name, options, "cpp") > 4
+
+
+def test_strided_caches(module, monkeypatch):
+    wrap_pager_caches(monkeypatch, strided)
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    assert run_schedule(cfg, [63, 100], seed=3, impl="cpp", group=2, tol=1e-4) > 4
+
+
+def test_fp32_queries_over_bf16_caches(module, monkeypatch):
+    wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
+    cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
+    assert run_schedule(cfg, [63, 100], seed=4, impl="cpp", group=4, tol=3e-2) > 4
+
+
+def test_mixed_query_step_and_out_dtypes(module):
+    """bf16 queries with fp32 step rows (computed in fp32) written into an fp16 out."""
+    out, want = schedule.mixed_dtypes_step(cpu_ext.attend)
+    torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_the_kernels_really_run(module, monkeypatch):
+    """With PyTorch's attention disabled, a schedule through dispatch's "cpp"
+    ops passes and the kernels' call counters grow by its steps."""
+    monkeypatch.setattr(compressed, "attend", lambda *a, **k: pytest.fail("the PyTorch attention ran"))
+    ops = dispatch.ops("cpp")
+    assert (ops.write_chunks, ops.attend) == (cpu_ext.write_chunks, cpu_ext.attend) and not ops.needs_bias
+    writes, attends = module.calls()
+    cfg = ChunkedKVConfig(**CONFIGS["stagger-heads"])
+    steps = run_schedule(cfg, [63, 100], seed=2, impl="cpp", group=2, tol=1e-4)
+    after = module.calls()
+    assert after[1] - attends >= steps and after[0] - writes >= 1
