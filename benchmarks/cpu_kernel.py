@@ -8,7 +8,9 @@ the window, the rest vLLM's null page), one copy per layer so that a step
 streams from memory as a model's would, and a step plan is built for one
 decode token per request, or for the last `--prefill` tokens of one
 request (a prefill piece). Times are the median over `--repeat` steps of
-all layers: the plan (once per step), `write_chunks` and `attend` per
+all layers: the plan (once per step: for decode steps of the C++ kernels
+the device-side plan of `ops/decode_plan.py`, as the backend builds it,
+with the Python plan's time beside it), `write_chunks` and `attend` per
 layer. ``read GB/s`` is the rows a decode step's attention reads (visible
 compressed slots and raw rows, keys and values, every KV head and layer)
 over its time; ``memcpy GB/s`` copies a buffer of the same size.
@@ -27,6 +29,7 @@ import torch
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, PagedBatch, build_plan
 
 
@@ -63,11 +66,23 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
     step_rows = torch.randn(n, num_kv_heads, 2 * head_size, generator=gen).to(dtype)
     out = query.new_empty(n, heads, head_size)
     origins = [0] * num_kv_heads
-    plans, steps = [], []
-    for _ in range(repeat + 1):
+    decode = all(b - a == 1 for a, b in zip(paged.query_start, paged.query_start[1:]))
+    seq_lens = torch.tensor(paged.seq_lens)
+
+    def make_plan(on_device: bool):
+        if on_device:  # what the backend builds for a uniform decode batch with the C++ kernels
+            return build_decode_plan(seq_lens, paged.block_table, paged.block_size, paged.raw_block_table,
+                                     paged.raw_block_size, cfg, origins, bias=ops.needs_bias)
+        return build_plan(paged, cfg, origins, bias=ops.needs_bias)
+
+    python_plans, plans, steps = [], [], []
+    for _ in range(repeat + 1):  # both plans after a step, as in a model: nothing of theirs left in cache
+        begin = time.perf_counter()
+        make_plan(False)
         start = time.perf_counter()
-        plan = build_plan(paged, cfg, origins, bias=ops.needs_bias)
+        plan = make_plan(decode and impl == "cpp")
         planned = time.perf_counter()
+        python_plans.append(start - begin)
         for comp, raw in caches:
             ops.write_chunks(comp, raw, step_rows, plan.writes, cfg, head_size)
             ops.attend(query, step_rows, comp, raw, plan, head_size ** -0.5, out=out)
@@ -76,7 +91,8 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
     keys = plan.key_sets
     rows = sum(int(k.num_raw.sum()) + int(k.num_slots.sum()) + k.query_index.numel() for k in keys)
     read = rows * num_kv_heads * 2 * head_size * caches[0][0].element_size() * len(caches)
-    return {"plan_s": statistics.median(plans[1:]), "step_s": statistics.median(steps[1:]), "bytes": read}
+    return {"plan_s": statistics.median(plans[1:]), "python_plan_s": statistics.median(python_plans[1:]),
+            "step_s": statistics.median(steps[1:]), "bytes": read}
 
 
 def memcpy_bandwidth(nbytes: int, repeat: int) -> float:
@@ -114,7 +130,7 @@ def main() -> None:
     shape = dict(heads=args.heads, head_size=args.head_size, dtype=dtype, repeat=args.repeat)
     print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "
           f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name}")
-    print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
+    print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'py plan':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
           f"{'read GB/s':>9} {'memcpy GB/s':>11} {'fraction':>8}")
     cases = [("decode", b, 1) for b in args.batches] + ([("prefill", 1, args.prefill)] if args.prefill else [])
     for kind, batch, q_len in cases:
@@ -128,7 +144,7 @@ def main() -> None:
             rate = cpp_t["bytes"] / cpp_t["step_s"]
             copy = memcpy_bandwidth(cpp_t["bytes"], args.repeat)
             label = f"{kind} b={batch}" if kind == "decode" else f"prefill {q_len}"
-            print(f"{label:>14} {context:>7} {cpp_t['plan_s'] * 1e3:>8.2f} {torch_t['step_s'] * 1e3:>9.2f} "
+            print(f"{label:>14} {context:>7} {cpp_t['plan_s'] * 1e3:>8.2f} {cpp_t['python_plan_s'] * 1e3:>8.2f} {torch_t['step_s'] * 1e3:>9.2f} "
                   f"{cpp_t['step_s'] * 1e3:>8.2f} {torch_t['step_s'] / cpp_t['step_s']:>7.2f} "
                   f"{rate / 1e9:>9.2f} {copy / 1e9:>11.2f} {rate / copy:>8.2f}", flush=True)
 

@@ -6,10 +6,12 @@
   device tensor (`SyncGuard` fails on each); a mixed batch still reads its
   sequence lengths on the host and gets the Python plan.
 - The builder declares CUDA-graph support for uniform single-token decode
-  exactly when the device-side plan is on (by default: on CUDA devices).
-- In a real engine on CPU with ``CHUNKED_KV_DECODE_PLAN=device`` the log
-  says decodes are planned on the device, and greedy tokens equal those of
-  the Python plan, for every mitigation and stagger.
+  exactly when the device-side plan is on (by default: on CUDA devices);
+  the plan itself is on by default on CUDA and with the C++ CPU kernels,
+  never for the PyTorch path on CPU, and ``python`` turns it off.
+- In a real engine, greedy tokens with decodes planned on the device equal
+  those of the Python plan for every mitigation and stagger:
+  `tests/test_scheduling_invariance.py`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def test_graph_support_follows_the_plan(monkeypatch):
     assert ChunkedKVMetadataBuilder.get_cudagraph_support(config, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     monkeypatch.delenv("CHUNKED_KV_DECODE_PLAN")
     assert decode_plan_on_device(torch.device("cuda")) and not decode_plan_on_device(torch.device("cpu"))
+    assert decode_plan_on_device(torch.device("cpu"), "cpp") and not decode_plan_on_device(torch.device("cpu"), "torch")
+    monkeypatch.setenv("CHUNKED_KV_DECODE_PLAN", "python")
+    assert not decode_plan_on_device(torch.device("cpu"), "cpp")
     monkeypatch.setenv("CHUNKED_KV_DECODE_PLAN", "sometimes")
     with pytest.raises(ValueError, match="CHUNKED_KV_DECODE_PLAN"):
         decode_plan_on_device(torch.device("cpu"))

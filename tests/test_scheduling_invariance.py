@@ -3,7 +3,8 @@ tokens are identical with prefix caching on and off, with 32-token and
 4096-token steps, with each request alone or 8 at a time, under forced
 preemption (a KV budget too small for 8 at a time: the scheduler must have
 preempted, or the test fails), and with uniform decode batches planned on
-the device (`ops/decode_plan.py`; the log must say so), for every mitigation and for configs
+the device (`ops/decode_plan.py`, the default with the C++ kernels) and in
+Python (`ops/step_plan.py`; the log must say which), for every mitigation and for configs
 that compress (prompts far longer than the window) and use both kinds of
 page sets: compressed pages written at chunk completion, and raw pages with
 kept leading rows (sinks, staggered grid origins).
@@ -40,8 +41,8 @@ SCHEDULES = {
     "4096-token steps": dict(enable_prefix_caching=True, max_num_batched_tokens=4096),
     "one at a time": dict(enable_prefix_caching=True, max_num_batched_tokens=32, alone=True),
     "preempted": dict(enable_prefix_caching=True, max_num_batched_tokens=64, max_model_len=768, preempting=True),
-    "decodes planned on the device": dict(enable_prefix_caching=True, max_num_batched_tokens=32,
-                                          env={"CHUNKED_KV_DECODE_PLAN": "device"}),
+    "decodes planned in Python": dict(enable_prefix_caching=True, max_num_batched_tokens=32,
+                                      env={"CHUNKED_KV_DECODE_PLAN": "python"}),
 }
 
 
@@ -67,8 +68,11 @@ def run(model, settings: dict, schedule: dict, rounds) -> tuple[list[list[int]],
     engine = dict(attention_backend="chunked_kv", additional_config={"chunked_kv": settings}, block_size=32,
                   **schedule)
     result = generate(model, engine, rounds, max_tokens=MAX_TOKENS, env=env)
-    if env:  # the mechanism ran, not only the outputs agree
-        assert "uniform decode batches are planned on the device" in result["log"]
+    # The mechanism ran, not only the outputs agree: decodes are planned on the
+    # device by default with the C++ kernels, in Python when asked.
+    log = result["log"]
+    on_device = "kernels on cpu: cpp" in log if env is None else env["CHUNKED_KV_DECODE_PLAN"] == "device"
+    assert f"uniform decode batches are planned {'on the device' if on_device else 'in Python'}" in log
     return [tokens for round_outputs in result["outputs"] for tokens in round_outputs], result["preemptions"]
 
 

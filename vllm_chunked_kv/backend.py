@@ -156,12 +156,17 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
-        self.device_decode_plan = decode_plan_on_device(device)
+        model = vllm_config.model_config
+        group = model.get_num_attention_heads(vllm_config.parallel_config) // kv_cache_spec.num_kv_heads
+        impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)  # the layers' choice (cached)
+        self.device_decode_plan = decode_plan_on_device(device, impl)
         logger.info_once("chunked KV: uniform decode batches are planned %s",
                          "on the device (CUDA-graph capturable)" if self.device_decode_plan else "in Python")
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """Uniform single-token decode when its plan is built on the device
+        (CUDA devices by default; CPU never captures graphs)."""
         device = vllm_config.device_config.device if vllm_config.device_config is not None else None
         on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"))
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if on_device else AttentionCGSupport.NEVER
@@ -187,15 +192,17 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
 DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
 
 
-def decode_plan_on_device(device: torch.device) -> bool:
+def decode_plan_on_device(device: torch.device, impl: str | None = None) -> bool:
     """Whether uniform decode batches get the device-side plan
     (`ops/decode_plan.py`): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
-    ``python``, or by default on CUDA devices only (on CPU the Python plan
-    gathers fewer slots)."""
+    ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
+    CPU kernels (`impl` ``cpp``: its fixed shapes cost a third of the Python
+    plan at batch 8 and a tenth at batch 64, and the kernel reads only the
+    visible slots; the PyTorch path would gather every addressable one)."""
     choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
     if choice not in ("auto", "device", "python"):
         raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
-    return choice == "device" or (choice == "auto" and device.type == "cuda")
+    return choice == "device" or (choice == "auto" and (device.type == "cuda" or impl == "cpp"))
 
 
 class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):

@@ -14,7 +14,9 @@ that do not exist in a given step are padding, never read as data:
   at most one chunk per head; entries that complete nothing write to vLLM's
   null page (`step_plan.NULL_PAGE`), which no plan reads;
 - compressed slots: every slot the block table can address (``num_slots``
-  says how many may be visible).
+  says how many may be visible; kernels read no further; for the PyTorch
+  path, which gathers every column, padding reads the request's slot 0
+  and its bias hides it).
 
 `tests/ops/test_decode_plan.py` holds it to `step_plan.build_plan`.
 """
@@ -101,10 +103,18 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
     to = t[:, None]  # [b, 1]
     visible = torch.where(grid.num_sealed(cfg, to, o[None, :]) > 0, grid.visible_slots(cfg, to, o[None, :]), 0)
     num_slots = visible.amax(dim=1)  # [b] slots that may be visible
-    slot_t = torch.arange(block_table.shape[1] * per_block, **long)[None, :].expand(b, -1)  # [b, Nc] all addressable
-    slot_valid = slot_t < num_slots[:, None]
-    slot_t = slot_t.masked_fill(~slot_valid, 0)
+    width = block_table.shape[1]
     positions = first[:, None]  # [b, 1]
+    bias = None
+    if with_bias:  # the PyTorch path gathers every column: padding reads the request's slot 0, hidden by the bias
+        slot_t = torch.arange(width * per_block, **long)[None, :].expand(b, -1)  # [b, Nc] all addressable
+        slot_valid = slot_t < num_slots[:, None]
+        slot_t = slot_t.masked_fill(~slot_valid, 0)
+        comp_blocks, comp_offsets = block_table[req, slot_t // per_block], slot_t % per_block
+        bias = visibility_bias(cfg, o, positions, raw_t, raw_valid, slot_t, slot_valid)
+    else:  # kernels read slots below num_slots only: every addressable slot, page by page, no per-slot arithmetic
+        comp_blocks = block_table[:, :, None].expand(b, width, per_block).reshape(b, width * per_block)  # [b, Nc]
+        comp_offsets = torch.arange(per_block, **long).repeat(b, width)  # [b, Nc]
     return KeySet(
         query_index=req,
         query_positions=positions,
@@ -112,8 +122,8 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         raw_offsets=raw_t % raw_block_size,
         raw_positions=raw_t,
         num_raw=num_raw,
-        comp_blocks=block_table[req, slot_t // per_block],
-        comp_offsets=slot_t % per_block,
+        comp_blocks=comp_blocks,
+        comp_offsets=comp_offsets,
         num_slots=num_slots,
-        bias=visibility_bias(cfg, o, positions, raw_t, raw_valid, slot_t, slot_valid) if with_bias else None,
+        bias=bias,
     )
