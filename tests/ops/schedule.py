@@ -236,6 +236,19 @@ def wrap_pager_caches(monkeypatch, wrap) -> None:
     monkeypatch.setattr(Pager, "__init__", wrapped_init)
 
 
+CACHE_LAYOUTS = {  # a cache wrapper, the config and GQA group it runs with, the tolerance
+    "strided": (lambda cache: strided(cache), "boundary-gated", 2, 1e-4),
+    "bf16 caches, fp32 queries": (lambda cache: cache.to(torch.bfloat16), "overlap-key_norm", 4, 3e-2),
+}
+
+
+def run_cache_layout(monkeypatch, layout_name: str, impl: str) -> int:
+    """A schedule over caches of another layout (`CACHE_LAYOUTS`) against the reference."""
+    wrap, name, group, tol = CACHE_LAYOUTS[layout_name]
+    wrap_pager_caches(monkeypatch, wrap)
+    return run_schedule(ChunkedKVConfig(**CONFIGS[name]), [63, 100], seed=group, impl=impl, group=group, tol=tol)
+
+
 def strided(cache: torch.Tensor) -> torch.Tensor:
     """The cache laid out head-major, rows padded with NaN columns: only the strides say where rows are."""
     blocks, heads, rows, width = cache.shape

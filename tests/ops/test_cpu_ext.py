@@ -35,8 +35,8 @@ from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
 
 from . import schedule
-from .schedule import (CONFIGS, KERNEL_SHAPES, kernel_lengths, run_schedule, run_shape, strided,
-                       wrap_pager_caches)
+from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, kernel_lengths, run_cache_layout,
+                       run_schedule, run_shape)
 
 torch.set_num_threads(1)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -174,16 +174,10 @@ def test_shapes_tiles_splits_and_dtypes(module, name, options):
     assert run_shape(name, options, "cpp") > 4
 
 
-def test_strided_caches(module, monkeypatch):
-    wrap_pager_caches(monkeypatch, strided)
-    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
-    assert run_schedule(cfg, [63, 100], seed=3, impl="cpp", group=2, tol=1e-4) > 4
-
-
-def test_fp32_queries_over_bf16_caches(module, monkeypatch):
-    wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
-    cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
-    assert run_schedule(cfg, [63, 100], seed=4, impl="cpp", group=4, tol=3e-2) > 4
+@pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))
+def test_cache_layouts(module, monkeypatch, layout):
+    """Strided (head-major, NaN-padded) caches; fp32 queries over bf16 caches."""
+    assert run_cache_layout(monkeypatch, layout, "cpp") > 4
 
 
 def test_mixed_query_step_and_out_dtypes(module):

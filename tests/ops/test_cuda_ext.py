@@ -51,8 +51,8 @@ from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import cuda_ext
 
 from . import schedule
-from .schedule import (CONFIGS, KERNEL_SHAPES, kernel_lengths, run_schedule, run_shape, strided,
-                       wrap_pager_caches)
+from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, kernel_lengths, run_cache_layout,
+                       run_schedule, run_shape)
 
 CSRC = Path(cuda_ext.SOURCES_DIR)
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
@@ -259,16 +259,10 @@ def test_emulated_shapes_tiles_splits_and_dtypes(emulated, name, options):
     assert run_shape(name, options, "cuda") > 4
 
 
-def test_emulated_strided_caches(emulated, monkeypatch):
-    wrap_pager_caches(monkeypatch, strided)
-    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
-    assert run_schedule(cfg, [63, 100], seed=3, impl="cuda", group=2, tol=1e-4) > 4
-
-
-def test_emulated_fp32_queries_over_bf16_caches(emulated, monkeypatch):
-    wrap_pager_caches(monkeypatch, lambda cache: cache.to(torch.bfloat16))
-    cfg = ChunkedKVConfig(**CONFIGS["overlap-key_norm"])
-    assert run_schedule(cfg, [63, 100], seed=4, impl="cuda", group=4, tol=3e-2) > 4
+@pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))
+def test_emulated_cache_layouts(emulated, monkeypatch, layout):
+    """Strided (head-major, NaN-padded) caches; fp32 queries over bf16 caches."""
+    assert run_cache_layout(monkeypatch, layout, "cuda") > 4
 
 
 def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan
@@ -125,6 +126,20 @@ def attend_output(query: torch.Tensor, raw_cache: torch.Tensor, out: torch.Tenso
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     return (query.new_empty(n, num_heads, head_dv) if out is None else out), num_heads // num_kv_heads
+
+
+def kernel_args(plan: StepPlan, scale: float) -> tuple[list[tuple[torch.Tensor, ...]], tuple]:
+    """What the C++ and CUDA `attend` launches take, in their order: per key
+    set, its index tensors (contiguous: query index and positions, raw
+    blocks, offsets, positions and counts, compressed blocks, offsets and
+    counts); then the origins, scale and grid constants shared by all."""
+    key_args = [tuple(t.contiguous() for t in (
+        keys.query_index, keys.query_positions, keys.raw_blocks, keys.raw_offsets, keys.raw_positions,
+        keys.num_raw, keys.comp_blocks, keys.comp_offsets, keys.num_slots)) for keys in plan.key_sets]
+    cfg = plan.cfg
+    shared = (float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, cfg.chunk_size, cfg.hop,
+              grid.slots_per_group(cfg))
+    return key_args, shared
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

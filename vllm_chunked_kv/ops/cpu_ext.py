@@ -35,7 +35,6 @@ from types import ModuleType
 
 import torch
 
-from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cuda_ext, jit
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
@@ -169,16 +168,12 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
-    cfg = plan.cfg
     origins = plan.origins.to(dtype=torch.long).contiguous()
     q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
-    c = torch.Tensor.contiguous
-    for keys, tile in tiles:
+    key_args, shared = compressed.kernel_args(plan, scale)
+    for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      c(keys.query_index), c(keys.query_positions), c(keys.raw_blocks), c(keys.raw_offsets),
-                      c(keys.raw_positions), c(keys.num_raw), c(keys.comp_blocks), c(keys.comp_offsets),
-                      c(keys.num_slots), origins, float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens,
-                      cfg.chunk_size, cfg.hop, grid.slots_per_group(cfg), tile, splits)
+                      *args, origins, *shared, tile, splits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -41,7 +41,6 @@ from types import ModuleType
 
 import torch
 
-from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, jit
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
@@ -201,15 +200,11 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=query.device)
-    cfg = plan.cfg
     origins = plan.origins.to(device=query.device, dtype=torch.long).contiguous()
-    for keys, tile in tiles:
-        c = torch.Tensor.contiguous
-        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml,
-                      c(keys.query_index), c(keys.query_positions), c(keys.raw_blocks), c(keys.raw_offsets),
-                      c(keys.raw_positions), c(keys.num_raw), c(keys.comp_blocks), c(keys.comp_offsets),
-                      c(keys.num_slots), origins, float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens,
-                      cfg.chunk_size, cfg.hop, grid.slots_per_group(cfg), tile, splits)
+    key_args, shared = compressed.kernel_args(plan, scale)
+    for (_, tile), args in zip(tiles, key_args):
+        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, origins, *shared,
+                      tile, splits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:
