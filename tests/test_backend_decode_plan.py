@@ -4,7 +4,8 @@
   device-side plan on, and the plan built from its metadata wait for
   nothing: no ``.cpu()``, ``.item()``, ``.tolist()`` or truth value of a
   device tensor (`SyncGuard` fails on each); a mixed batch still reads its
-  sequence lengths on the host and gets the Python plan.
+  sequence lengths on the host and gets the Python plan. On CPU (no graphs)
+  the decode plan addresses only the pages the longest request has.
 - The builder declares CUDA-graph support for uniform single-token decode
   exactly when the device-side plan is on (by default: on CUDA devices);
   the plan itself is on by default on CUDA and with the C++ CPU kernels,
@@ -38,6 +39,7 @@ def _common(seq_lens: list[int], query_lens: list[int]):
     guard = lambda t: t.as_subclass(SyncGuard)  # noqa: E731
     return types.SimpleNamespace(
         num_reqs=len(seq_lens), num_actual_tokens=sum(query_lens), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts, seq_lens=guard(torch.tensor(seq_lens)),
         block_table_tensor=guard(torch.arange(1, 8 * len(seq_lens) + 1).view(len(seq_lens), 8)),
     )
@@ -47,6 +49,7 @@ def test_uniform_decode_waits_for_nothing():
     cfg = ChunkedKVConfig(mitigation="stagger", chunk_size=4, window=8, sink_tokens=2)
     metadata = _builder(True).build(0, _common([40, 9, 77], [1, 1, 1]))
     assert metadata.device_seq_lens is not None and metadata.seq_lens == []
+    assert metadata.block_table.shape == (3, 5)  # on CPU, the pages of the longest request: 77 tokens / 16
     raw = types.SimpleNamespace(block_table=torch.arange(1, 25).view(3, 8).as_subclass(SyncGuard), block_size=16)
     plan = metadata.plan(cfg, (0, 2), raw, bias=False)
     assert isinstance(plan.key_sets[0].num_slots, SyncGuard)

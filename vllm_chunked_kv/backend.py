@@ -179,11 +179,16 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
     ) -> ChunkedKVMetadata:
         m = common_attn_metadata
         uniform_decode = self.device_decode_plan and m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs
+        block_table = m.block_table_tensor[: m.num_reqs]
+        if uniform_decode and block_table.device.type == "cpu":
+            # No graphs to keep shapes for: the decode plan addresses only the
+            # pages the longest request has (a page holds block_size tokens).
+            block_table = block_table[:, : -(-m.max_seq_len // self.block_size)]
         return ChunkedKVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),  # host tensor: no device wait
             seq_lens=[] if uniform_decode else m.seq_lens[: m.num_reqs].cpu().tolist(),
-            block_table=m.block_table_tensor[: m.num_reqs],
+            block_table=block_table,
             block_size=self.block_size,
             device_seq_lens=m.seq_lens[: m.num_reqs] if uniform_decode else None,
         )

@@ -23,6 +23,8 @@ that do not exist in a given step are padding, never read as data:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from vllm_chunked_kv import grid, layout
@@ -114,7 +116,7 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         bias = visibility_bias(cfg, o, positions, raw_t, raw_valid, slot_t, slot_valid)
     else:  # kernels read slots below num_slots only: every addressable slot, page by page, no per-slot arithmetic
         comp_blocks = block_table[:, :, None].expand(b, width, per_block).reshape(b, width * per_block)  # [b, Nc]
-        comp_offsets = torch.arange(per_block, **long).repeat(b, width)  # [b, Nc]
+        comp_offsets = _page_offsets(b, width, per_block, t.device)  # [b, Nc]
     return KeySet(
         query_index=req,
         query_positions=positions,
@@ -127,3 +129,10 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         num_slots=num_slots,
         bias=bias,
     )
+
+
+@lru_cache(maxsize=16)
+def _page_offsets(b: int, width: int, per_block: int, device: torch.device) -> torch.Tensor:
+    """``[b, width * per_block]``: each slot's row within its page, the same
+    for every step of a batch shape (kept, never written: kernels only read it)."""
+    return torch.arange(per_block, dtype=torch.long, device=device).repeat(b, width)
