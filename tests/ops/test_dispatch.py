@@ -7,12 +7,17 @@
 - `choose` on CPU picks the C++ kernels, PyTorch when they cannot run, never
   Triton (even with the interpreter on); on a CUDA
   device it takes CUDA, then Triton, then PyTorch, the first without
-  reasons; CUDA's kernel limits (GQA group, head size) send a shape on.
+  reasons, and CUDA with Triton for prefill pieces when both can run;
+  CUDA's kernel limits (GQA group, head size) send a shape on.
 - ``CHUNKED_KV_IMPL`` (or ``impl=``) forces one; one that cannot run is an
   error that carries the reasons; an unknown name is an error.
 - `ops(impl)` gives an implementation's step ops: PyTorch's are
   `compressed.py`'s (and need the plan's bias); forced to Triton
   (interpreter worker) a whole schedule gives the reference's numbers.
+- ``DECODE+PREFILL`` splits a step's attention: each side gets only its
+  key sets, the output rows of prefill pieces come from the prefill side,
+  and C++ decodes beside Triton prefill pieces give the reference's
+  numbers; the PyTorch path cannot be a side.
 """
 
 import pytest
@@ -79,7 +84,8 @@ def _pretend(monkeypatch, reasons_by_impl):
 @pytest.mark.parametrize(
     "reasons, expected",
     [
-        ({}, "cuda"),
+        ({}, "cuda+triton"),
+        ({"triton": ["triton is not installed"]}, "cuda"),
         ({"cuda": ["no extension"]}, "triton"),
         ({"cuda": ["no extension"], "triton": ["triton is not installed"]}, "torch"),
     ],
@@ -115,6 +121,36 @@ def test_forcing_an_implementation(monkeypatch):
         dispatch.choose("cpu")
     with pytest.raises(RuntimeError, match="CUDA device"):
         dispatch.choose("cpu", impl="cuda")
+    with pytest.raises(ValueError, match="DECODE\\+PREFILL"):  # the PyTorch path needs the dense bias
+        dispatch.choose("cpu", impl="cpp+torch")
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        dispatch.choose("cpu", impl="cpp+cuda")
+
+
+def test_split_attend_sends_decodes_and_prefill_pieces_apart():
+    """Each side sees only its key sets; the pieces' rows come from the
+    prefill side even though both sides write every row they are given."""
+    from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
+
+    cfg = ChunkedKVConfig(chunk_size=4, window=8)
+    batch = PagedBatch(query_start=[0, 1, 7, 8], seq_lens=[30, 20, 41], block_table=torch.arange(1, 19).view(3, 6),
+                       block_size=8, raw_block_table=torch.arange(1, 19).view(3, 6), raw_block_size=8)
+    plan = build_plan(batch, cfg, [0], bias=False)  # requests 0 and 2 decode, request 1 computes 6 tokens
+    seen = {}
+
+    def side(name, value):
+        def attend(query, step_rows, comp, raw, plan, scale, out=None):
+            seen[name] = [keys.query_index.tolist() for keys in plan.key_sets]
+            out = torch.empty(query.shape[0], 2, 3) if out is None else out
+            return out.fill_(value)
+        return attend
+
+    out = torch.full((8, 2, 3), float("nan"))
+    got = dispatch.split_attend(side("decode", 1.0), side("prefill", 2.0))(
+        torch.zeros(8, 2, 4), None, None, None, plan, 1.0, out=out)
+    assert got is out
+    assert seen == {"decode": [[[0], [7]]], "prefill": [[[1, 2, 3, 4, 5, 6]]]}
+    assert out[[0, 7]].eq(1.0).all() and out[1:7].eq(2.0).all()
 
 
 def test_torch_ops_are_the_compressed_path():
@@ -130,3 +166,10 @@ def test_forced_triton_runs_a_checked_schedule(triton_ops):
     cfg = ChunkedKVConfig(mitigation="stagger", chunk_size=4, window=6, sink_tokens=1)
     assert triton_ops.dispatch.choose("cpu", impl="triton") == "triton"
     assert triton_ops.schedule.run_schedule(cfg, [40, 9], seed=3, impl="triton", tol=1e-4) > 1
+
+
+def test_decodes_in_cpp_and_prefill_pieces_in_triton_run_a_checked_schedule(triton_ops):
+    """Mixed steps (decodes beside prefill pieces) through two kernels give the reference's numbers."""
+    cfg = ChunkedKVConfig(mitigation="boundary", chunk_size=4, window=6, sink_tokens=1)
+    assert triton_ops.dispatch.choose("cpu", impl="cpp+triton") == "cpp+triton"
+    assert triton_ops.schedule.run_schedule(cfg, [40, 9, 63], seed=5, impl="cpp+triton", group=2, tol=1e-4) > 1

@@ -5,12 +5,15 @@ Triton kernels, the C++ CPU kernels (`cpu_ext.py`), or the PyTorch path
 - `available(impl, device, ...)` lists the reasons why an implementation
   cannot run there (empty: it can).
 - `choose(device, ...)` picks one: on a CUDA device CUDA, then Triton, then
-  PyTorch; on a CPU the C++ kernels (built on first use), then PyTorch
-  (Triton's CPU interpreter can run the kernels, far slower than PyTorch,
-  so only when asked for by name). It logs one line: the choice, and why
+  PyTorch, and with both kernels there ``cuda+triton``: decodes on the
+  CUDA kernels, prefill pieces on Triton's (tensor-core tiles); on a CPU
+  the C++ kernels (built on first use), then PyTorch (Triton's CPU
+  interpreter can run the kernels, far slower than PyTorch, so only when
+  asked for by name). It logs one line: the choice, and why
   the ones before it cannot run. The environment variable
-  ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` | ``cpp`` | ``torch`` forces
-  one (an error, with the reasons, if it cannot run); ``auto`` or unset picks.
+  ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` | ``cpp`` | ``torch``, or
+  ``DECODE+PREFILL`` of two kernels, forces one (an error, with the
+  reasons, if it cannot run); ``auto`` or unset picks.
 - `ops(impl)` returns the implementation's three step ops, with the
   signatures of `compressed.write_raw`, `compressed.write_chunks` and
   `compressed.attend`; only the PyTorch `attend` reads the plan's dense
@@ -27,11 +30,13 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from vllm_chunked_kv.ops import compressed
+from vllm_chunked_kv.ops.step_plan import StepPlan
 
 IMPLS = ("cuda", "triton", "cpp", "torch")
 IMPL_ENV = "CHUNKED_KV_IMPL"
@@ -122,9 +127,11 @@ def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str
     shapes = dict(head_size=head_size, head_size_v=head_size_v, group=group)
     why = f"{IMPL_ENV}={forced}"
     if forced != "auto":
-        if forced not in IMPLS:
-            raise ValueError(f"implementation {forced!r} (from impl= or {IMPL_ENV}): choose from auto, {', '.join(IMPLS)}")
-        reasons = available(forced, device_type, **shapes)
+        parts = forced.split("+")
+        if any(part not in IMPLS for part in parts) or len(parts) > 2 or (len(parts) == 2 and "torch" in parts):
+            raise ValueError(f"implementation {forced!r} (from impl= or {IMPL_ENV}): choose from auto, "
+                             f"{', '.join(IMPLS)}, or DECODE+PREFILL of two kernels (e.g. cuda+triton)")
+        reasons = [reason for part in dict.fromkeys(parts) for reason in available(part, device_type, **shapes)]
         if reasons:
             raise RuntimeError(f"implementation {forced!r} cannot run on {device_type}: " + "; ".join(reasons))
         choice = forced
@@ -138,6 +145,8 @@ def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str
                 break
             skipped[impl] = reasons
         why = "; ".join(f"not using {impl}: {'; '.join(reasons)}" for impl, reasons in skipped.items())
+        if choice == "cuda" and not available("triton", device_type, **shapes):
+            choice = "cuda+triton"  # prefill pieces on Triton's tensor-core tiles, decodes on the CUDA kernels
     logger.info("chunked KV kernels on %s: %s%s", device_type, choice, _detail(choice, why))
     _choices[key] = choice
     return choice
@@ -180,7 +189,13 @@ class Ops(NamedTuple):
 
 @functools.cache
 def ops(impl: str) -> Ops:
-    """The step ops of ``impl`` (check `available` first: this imports it)."""
+    """The step ops of ``impl`` (check `available` first: this imports it).
+    ``"DECODE+PREFILL"`` (e.g. ``cuda+triton``) writes with the first and
+    sends single-token key sets to the first's attention, multi-token key
+    sets (prefill pieces) to the second's."""
+    if "+" in impl:
+        decode, prefill = (ops(part) for part in impl.split("+"))
+        return Ops(impl, decode.write_raw, decode.write_chunks, split_attend(decode.attend, prefill.attend))
     if impl == "torch":
         return Ops("torch", compressed.write_raw, compressed.write_chunks, compressed.attend)
     if impl == "cuda":
@@ -196,3 +211,26 @@ def ops(impl: str) -> Ops:
 
         return Ops("triton", compressed.write_raw, triton_pool.write_chunks, triton_attention.attend)
     raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")
+
+
+def split_attend(decode_attend: Callable, prefill_attend: Callable) -> Callable:
+    """An `attend` that runs the plan's single-token key sets (decodes)
+    through `decode_attend` and its multi-token ones (prefill pieces)
+    through `prefill_attend` (neither reads the dense bias). The prefill
+    implementation writes a buffer of its own, whose pieces' rows are then
+    copied into the output: an implementation may write rows outside its
+    key sets."""
+
+    def attend(query, step_rows, comp_cache, raw_cache, plan: StepPlan, scale: float, out=None):
+        decodes = [keys for keys in plan.key_sets if keys.query_index.shape[1] == 1]
+        pieces = [keys for keys in plan.key_sets if keys.query_index.shape[1] > 1]
+        if not decodes or not pieces:
+            run = decode_attend if decodes else prefill_attend
+            return run(query, step_rows, comp_cache, raw_cache, plan, scale, out=out)
+        out = decode_attend(query, step_rows, comp_cache, raw_cache, replace(plan, key_sets=decodes), scale, out=out)
+        piece_out = prefill_attend(query, step_rows, comp_cache, raw_cache, replace(plan, key_sets=pieces), scale)
+        rows = torch.cat([keys.query_index.reshape(-1) for keys in pieces])  # [P] the pieces' tokens
+        out[rows] = piece_out[rows].to(out.dtype)
+        return out
+
+    return attend
