@@ -8,10 +8,10 @@ the window, the rest vLLM's null page), one copy per layer so that a step
 streams from memory as a model's would, and a step plan is built for one
 decode token per request, or for the last `--prefill` tokens of one
 request (a prefill piece). Times are the median over `--repeat` steps of
-all layers: the plan (once per step: for decode steps of the C++ kernels
-the device-side plan of `ops/decode_plan.py`, as the backend builds it,
-with the Python plan's time beside it), `write_chunks` and `attend` per
-layer. ``read GB/s`` is the rows a decode step's attention reads (visible
+all layers, under `torch.inference_mode()` as in vLLM: the plan (once per
+step: for decode steps of the C++ kernels the device-side plan of
+`ops/decode_plan.py`, as the backend builds it, with the Python plan's
+time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is the rows a decode step's attention reads (visible
 compressed slots and raw rows, keys and values, every KV head and layer)
 over its time; ``memcpy GB/s`` copies a buffer of the same size.
 
@@ -156,4 +156,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():  # as vLLM runs a model step (no autograd bookkeeping per op)
+        main()
