@@ -10,14 +10,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunked_kv_types.h"
+
 namespace chunked_kv {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-
-// The grid's named values (vllm_chunked_kv/grid.py): what compressed slot s of a
-// group of slots_per_group holds, and the group size with boundary retention.
-enum SlotKind : int { kPooled = 0, kFirst = 1, kLast = 2 };
-constexpr int kBoundarySlots = 3;  // slots per chunk with boundary retention (1 without)
+using chunked_kv_types::DType;  // chunked_kv_types.h: shared with the other kernel family
+using chunked_kv_types::kBoundarySlots;
+using chunked_kv_types::kFirst;
+using chunked_kv_types::kLast;
+using chunked_kv_types::kPooled;
+using chunked_kv_types::SlotKind;
 
 constexpr int kThreads = 128;     // threads of every block
 constexpr int kBlockKeys = 32;    // key rows an attention block folds in at a time

@@ -12,13 +12,16 @@
 
 #include <stdint.h>
 
+#include "chunked_kv_types.h"
+
 namespace chunked_kv_cpu {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-
-// The grid's named values (vllm_chunked_kv/grid.py SlotKind, BOUNDARY_SLOTS).
-enum SlotKind : int { kPooled = 0, kFirst = 1, kLast = 2 };
-constexpr int kBoundarySlots = 3;
+using chunked_kv_types::DType;  // chunked_kv_types.h: shared with the other kernel family
+using chunked_kv_types::kBoundarySlots;
+using chunked_kv_types::kFirst;
+using chunked_kv_types::kLast;
+using chunked_kv_types::kPooled;
+using chunked_kv_types::SlotKind;
 
 constexpr int kBlockKeys = 32;     // key rows folded into the online softmax at a time
 constexpr int kMaxTileRows = 128;  // query rows (queries x GQA group) of a multi-token tile

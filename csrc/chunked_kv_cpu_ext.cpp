@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "chunked_kv_binding.h"
 #include "chunked_kv_cpu.h"
 
 namespace {
@@ -55,39 +56,17 @@ void set_isa(const std::string& isa) {
   TORCH_CHECK(false, "chunked_kv: instruction set ", isa, " is not supported by this CPU");
 }
 
-DType dtype_of(const Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: TORCH_CHECK(false, "chunked_kv: ", name, " has unsupported dtype ", t.scalar_type());
-  }
-}
+using chunked_kv_binding::dtype_of;
+using chunked_kv_binding::set_cache_strides;
 
 void check_rows(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
-  TORCH_CHECK(t.dim() == dim, "chunked_kv: ", name, " must have ", dim, " dimensions, not ", t.dim());
-  TORCH_CHECK(t.stride(-1) == 1, "chunked_kv: ", name, " must have contiguous rows (last-dim stride 1)");
+  chunked_kv_binding::check_row_layout(t, name, dim);
 }
 
 const int64_t* index(const Tensor& t, const char* name, int64_t rows, int64_t cols = -1) {
-  TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), "chunked_kv: ", name,
-              " must be a contiguous int64 CPU tensor");
-  const bool ok = cols < 0 ? t.dim() == 1 && t.size(0) == rows : t.dim() == 2 && t.size(0) == rows && t.size(1) == cols;
-  TORCH_CHECK(ok, "chunked_kv: ", name, " has shape ", t.sizes(), ", expected [", rows, cols < 0 ? "" : ", ",
-              cols < 0 ? "" : std::to_string(cols), "]");
-  return t.data_ptr<int64_t>();
-}
-
-// Block/head/row strides of both caches, into either argument struct.
-template <typename Args>
-void set_cache_strides(Args& a, const Tensor& raw_cache, const Tensor& comp_cache) {
-  a.stride_rb = raw_cache.stride(0);
-  a.stride_rh = raw_cache.stride(1);
-  a.stride_rs = raw_cache.stride(2);
-  a.stride_cb = comp_cache.stride(0);
-  a.stride_ch = comp_cache.stride(1);
-  a.stride_cs = comp_cache.stride(2);
+  TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
+  return chunked_kv_binding::index_table(t, name, rows, cols);
 }
 
 // The step rows must be in the cache dtype or fp32 (the wrapper converts others).

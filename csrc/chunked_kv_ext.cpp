@@ -15,19 +15,14 @@
 #endif
 
 #include "chunked_kv.h"
+#include "chunked_kv_binding.h"
 
 namespace {
 
 using at::Tensor;
 
-chunked_kv::DType dtype_of(const Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return chunked_kv::DType::kFloat32;
-    case at::kHalf: return chunked_kv::DType::kFloat16;
-    case at::kBFloat16: return chunked_kv::DType::kBFloat16;
-    default: TORCH_CHECK(false, "chunked_kv: ", name, " has unsupported dtype ", t.scalar_type());
-  }
-}
+using chunked_kv_binding::dtype_of;
+using chunked_kv_binding::set_cache_strides;
 
 void check_device(const Tensor& t, const Tensor& like, const char* name) {
 #ifdef CHUNKED_KV_CPU_EMULATION
@@ -38,21 +33,16 @@ void check_device(const Tensor& t, const Tensor& like, const char* name) {
   TORCH_CHECK(t.device() == like.device(), "chunked_kv: ", name, " is on ", t.device(), ", not ", like.device());
 }
 
-// Rows of K/V (or queries, outputs): the last dimension contiguous.
+// Rows of K/V (or queries, outputs) on the device of `like`.
 void check_rows(const Tensor& t, const Tensor& like, const char* name, int64_t dim) {
   check_device(t, like, name);
-  TORCH_CHECK(t.dim() == dim, "chunked_kv: ", name, " must have ", dim, " dimensions, not ", t.dim());
-  TORCH_CHECK(t.stride(-1) == 1, "chunked_kv: ", name, " must have contiguous rows (last-dim stride 1)");
+  chunked_kv_binding::check_row_layout(t, name, dim);
 }
 
-// An int64 index table of `rows` x `cols` (cols < 0: one dimension of `rows`).
+// An int64 index table on the device of `like`.
 const int64_t* index(const Tensor& t, const Tensor& like, const char* name, int64_t rows, int64_t cols = -1) {
   check_device(t, like, name);
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "chunked_kv: ", name, " must be contiguous int64");
-  const bool ok = cols < 0 ? t.dim() == 1 && t.size(0) == rows : t.dim() == 2 && t.size(0) == rows && t.size(1) == cols;
-  TORCH_CHECK(ok, "chunked_kv: ", name, " has shape ", t.sizes(), ", expected [", rows, cols < 0 ? "" : ", ",
-              cols < 0 ? "" : std::to_string(cols), "]");
-  return t.data_ptr<int64_t>();
+  return chunked_kv_binding::index_table(t, name, rows, cols);
 }
 
 int to_int(int64_t value, const char* name) {
@@ -76,12 +66,7 @@ template <typename Args>
 void set_row_strides(Args& a, const Tensor& step_rows, const Tensor& raw_cache, const Tensor& comp_cache) {
   a.stride_st = step_rows.stride(0);
   a.stride_sh = step_rows.stride(1);
-  a.stride_rb = raw_cache.stride(0);
-  a.stride_rh = raw_cache.stride(1);
-  a.stride_rs = raw_cache.stride(2);
-  a.stride_cb = comp_cache.stride(0);
-  a.stride_ch = comp_cache.stride(1);
-  a.stride_cs = comp_cache.stride(2);
+  set_cache_strides(a, raw_cache, comp_cache);
 }
 
 void check_launch(cudaError_t err) {

@@ -44,8 +44,8 @@ ISA_ENV = "CHUNKED_KV_CPU_ISA"
 SOURCES_DIR: Path = cuda_ext.SOURCES_DIR  # csrc/ of a checkout, or the copy a wheel installs
 SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_kv_cpu_avx512.cpp",
            "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
-HEADERS = ("chunked_kv_cpu.h", "chunked_kv_cpu_simd.h", "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h",
-           "chunked_kv_cpu_write.h")
+HEADERS = ("chunked_kv_cpu.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_cpu_simd.h",
+           "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h", "chunked_kv_cpu_write.h")
 MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
 

@@ -62,7 +62,7 @@ def _sources_dir() -> Path:
 
 SOURCES_DIR = _sources_dir()
 SOURCES = ("chunked_kv_write.cu", "chunked_kv_attention.cu", "chunked_kv_ext.cpp")
-HEADERS = ("chunked_kv.h", "chunked_kv_common.cuh", "cpu_emulation.h")
+HEADERS = ("chunked_kv.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_common.cuh", "cpu_emulation.h")
 MAX_TILE_ROWS = 32  # csrc/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
 MAX_GROUP, MAX_HEAD_SIZE = 32, 256  # a decode tile within these fits an A100's or H100's shared memory
 

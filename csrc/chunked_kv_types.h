@@ -1,0 +1,14 @@
+// Values both kernel families (CUDA: chunked_kv.h, CPU: chunked_kv_cpu.h)
+// share with the Python side: the storage dtypes, and the grid's slot kinds
+// (vllm_chunked_kv/grid.py SlotKind, BOUNDARY_SLOTS). No torch, no CUDA.
+#pragma once
+
+namespace chunked_kv_types {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// What compressed slot s of a group of slots_per_group holds.
+enum SlotKind : int { kPooled = 0, kFirst = 1, kLast = 2 };
+constexpr int kBoundarySlots = 3;  // slots per chunk with boundary retention (1 without)
+
+}  // namespace chunked_kv_types
