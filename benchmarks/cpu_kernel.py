@@ -11,9 +11,10 @@ request (a prefill piece). Times are the median over `--repeat` steps of
 all layers, under `torch.inference_mode()` as in vLLM: the plan (once per
 step: for decode steps of the C++ kernels the device-side plan of
 `ops/decode_plan.py`, as the backend builds it, with the Python plan's
-time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is the rows a decode step's attention reads (visible
-compressed slots and raw rows, keys and values, every KV head and layer)
-over its time; ``memcpy GB/s`` copies a buffer of the same size.
+time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is
+the rows a decode step's attention reads (visible compressed slots and raw
+rows, keys and values, every KV head and layer) over its time; ``memcpy
+GB/s`` copies a buffer of the same size.
 
     python benchmarks/cpu_kernel.py --contexts 2048 8192 16384 32768 --batches 1 8 32
 """
@@ -77,17 +78,12 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
 
     python_plans, plans, steps = [], [], []
     for i in range(repeat + 1):  # both plans after a step, as in a model; which one runs first alternates
-        if i % 2:
+        for python_plan in ((True, False) if i % 2 else (False, True)):
             begin = time.perf_counter()
-            make_plan(False)
-            python_plans.append(time.perf_counter() - begin)
-        begin = time.perf_counter()
-        plan = make_plan(decode and impl == "cpp")
-        plans.append(time.perf_counter() - begin)
-        if not i % 2:
-            begin = time.perf_counter()
-            make_plan(False)
-            python_plans.append(time.perf_counter() - begin)
+            built = make_plan(not python_plan and decode and impl == "cpp")
+            (python_plans if python_plan else plans).append(time.perf_counter() - begin)
+            if not python_plan:
+                plan = built
         begin = time.perf_counter()
         for comp, raw in caches:
             ops.write_chunks(comp, raw, step_rows, plan.writes, cfg, head_size)

@@ -14,12 +14,7 @@
 
 namespace chunked_kv {
 
-using chunked_kv_types::DType;  // chunked_kv_types.h: shared with the other kernel family
-using chunked_kv_types::kBoundarySlots;
-using chunked_kv_types::kFirst;
-using chunked_kv_types::kLast;
-using chunked_kv_types::kPooled;
-using chunked_kv_types::SlotKind;
+using namespace chunked_kv_types;  // DType, SlotKind, kBoundarySlots: shared with the other kernel family
 
 constexpr int kThreads = 128;     // threads of every block
 constexpr int kBlockKeys = 32;    // key rows an attention block folds in at a time

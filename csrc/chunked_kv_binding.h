@@ -35,9 +35,12 @@ inline const int64_t* index_table(const at::Tensor& t, const char* name, int64_t
   return t.data_ptr<int64_t>();
 }
 
-// Block/head/row strides of both caches, into any argument struct with these fields.
+// Token/head strides of the step's rows and block/head/row strides of both
+// caches, into any argument struct with these fields.
 template <typename Args>
-void set_cache_strides(Args& a, const at::Tensor& raw_cache, const at::Tensor& comp_cache) {
+void set_row_strides(Args& a, const at::Tensor& step_rows, const at::Tensor& raw_cache, const at::Tensor& comp_cache) {
+  a.stride_st = step_rows.stride(0);
+  a.stride_sh = step_rows.stride(1);
   a.stride_rb = raw_cache.stride(0);
   a.stride_rh = raw_cache.stride(1);
   a.stride_rs = raw_cache.stride(2);

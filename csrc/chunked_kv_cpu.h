@@ -16,12 +16,7 @@
 
 namespace chunked_kv_cpu {
 
-using chunked_kv_types::DType;  // chunked_kv_types.h: shared with the other kernel family
-using chunked_kv_types::kBoundarySlots;
-using chunked_kv_types::kFirst;
-using chunked_kv_types::kLast;
-using chunked_kv_types::kPooled;
-using chunked_kv_types::SlotKind;
+using namespace chunked_kv_types;  // DType, SlotKind, kBoundarySlots: shared with the other kernel family
 
 constexpr int kBlockKeys = 32;     // key rows folded into the online softmax at a time
 constexpr int kMaxTileRows = 128;  // query rows (queries x GQA group) of a multi-token tile

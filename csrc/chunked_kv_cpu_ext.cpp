@@ -57,7 +57,7 @@ void set_isa(const std::string& isa) {
 }
 
 using chunked_kv_binding::dtype_of;
-using chunked_kv_binding::set_cache_strides;
+using chunked_kv_binding::set_row_strides;
 
 void check_rows(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
@@ -103,9 +103,7 @@ void write_chunks(Tensor comp_cache, const Tensor& raw_cache, const Tensor& step
   a.src_step = index(src_step, "src_step", a.num_chunks, a.chunk_size);
   a.dst_blocks = index(dst_blocks, "dst_blocks", a.num_chunks, a.slots_per_group);
   a.dst_offsets = index(dst_offsets, "dst_offsets", a.num_chunks, a.slots_per_group);
-  a.stride_st = step_rows.stride(0);
-  a.stride_sh = step_rows.stride(1);
-  set_cache_strides(a, raw_cache, comp_cache);
+  set_row_strides(a, step_rows, raw_cache, comp_cache);
   a.head_d = static_cast<int>(head_d);
   a.head_dv = static_cast<int>(raw_cache.size(3) - head_d);
   a.pool_lo = static_cast<int>(pool_lo);
@@ -175,11 +173,9 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   a.origins = index(origins, "origins", a.num_kv_heads);
   a.stride_qt = query.stride(0);
   a.stride_qh = query.stride(1);
-  a.stride_st = step_rows.stride(0);
-  a.stride_sh = step_rows.stride(1);
   a.stride_ot = out.stride(0);
   a.stride_oh = out.stride(1);
-  set_cache_strides(a, raw_cache, comp_cache);
+  set_row_strides(a, step_rows, raw_cache, comp_cache);
   a.window = window;
   a.sink_tokens = sink_tokens;
   a.chunk_size = static_cast<int>(chunk_size);

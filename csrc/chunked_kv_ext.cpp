@@ -22,7 +22,7 @@ namespace {
 using at::Tensor;
 
 using chunked_kv_binding::dtype_of;
-using chunked_kv_binding::set_cache_strides;
+using chunked_kv_binding::set_row_strides;
 
 void check_device(const Tensor& t, const Tensor& like, const char* name) {
 #ifdef CHUNKED_KV_CPU_EMULATION
@@ -58,15 +58,6 @@ cudaStream_t current_stream(const Tensor& t) {
 #else
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 #endif
-}
-
-// Token/head strides of the step's rows and block/head/row strides of both
-// caches, into any launcher struct that has these fields.
-template <typename Args>
-void set_row_strides(Args& a, const Tensor& step_rows, const Tensor& raw_cache, const Tensor& comp_cache) {
-  a.stride_st = step_rows.stride(0);
-  a.stride_sh = step_rows.stride(1);
-  set_cache_strides(a, raw_cache, comp_cache);
 }
 
 void check_launch(cudaError_t err) {

@@ -201,9 +201,10 @@ def decode_plan_on_device(device: torch.device, impl: str | None = None) -> bool
     """Whether uniform decode batches get the device-side plan
     (`ops/decode_plan.py`): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
     ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
-    CPU kernels (`impl` ``cpp``: its fixed shapes cost a third of the Python
-    plan at batch 8 and a tenth at batch 64, and the kernel reads only the
-    visible slots; the PyTorch path would gather every addressable one)."""
+    CPU kernels (`impl` ``cpp``: it takes about half the Python plan's time
+    at batch 8 and a fifth at batch 64, benchmarks/README.md, and the kernel
+    reads only the visible slots; the PyTorch path would gather every
+    addressable one)."""
     choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
     if choice not in ("auto", "device", "python"):
         raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")

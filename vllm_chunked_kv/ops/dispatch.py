@@ -159,7 +159,7 @@ def _detail(choice: str, why: str) -> str:
     """What the log line adds to the choice: the C++ kernels' instruction set
     and build, and why the implementations before it were passed over."""
     parts = []
-    if choice == "cpp":
+    if "cpp" in choice.split("+"):
         from vllm_chunked_kv.ops import cpu_ext
 
         parts.append(cpu_ext.describe())
