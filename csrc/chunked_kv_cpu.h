@@ -62,11 +62,15 @@ struct AttendArgs {
   const int64_t* raw_offsets;      // [num_rows, max_raw]
   const int64_t* raw_positions;    // [num_rows, max_raw]
   const int64_t* num_raw;          // [num_rows]
-  const int64_t* comp_blocks;      // [num_rows, max_slots]
-  const int64_t* comp_offsets;     // [num_rows, max_slots]
+  // Slot s of a row: page comp_blocks[s], row comp_offsets[s] ([num_rows,
+  // max_slots] each); or, when comp_rows_per_page > 0, page
+  // comp_blocks[s / comp_rows_per_page] of the row's page table ([num_rows,
+  // max_slots / comp_rows_per_page]), row s % comp_rows_per_page (no offsets).
+  const int64_t* comp_blocks;
+  const int64_t* comp_offsets;
   const int64_t* num_slots;        // [num_rows]
   const int64_t* origins;          // [num_kv_heads]
-  int64_t num_rows, num_q, max_raw, max_slots, num_tokens;
+  int64_t num_rows, num_q, max_raw, max_slots, num_tokens, comp_rows_per_page;
   int64_t stride_qt, stride_qh, stride_st, stride_sh, stride_ot, stride_oh;
   int64_t stride_rb, stride_rh, stride_rs, stride_cb, stride_ch, stride_cs;
   int64_t window, sink_tokens;

@@ -95,10 +95,15 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
                        int64_t lo, int64_t hi) {
   const int spg = a.slots_per_group;
   const TC* comp = static_cast<const TC*>(a.comp_cache);
-  const int64_t* blocks = a.comp_blocks + row * a.max_slots;
-  const int64_t* offsets = a.comp_offsets + row * a.max_slots;
+  const int64_t per_page = a.comp_rows_per_page;  // 0: a page and a row per slot
+  const int64_t* blocks = a.comp_blocks + row * (per_page ? a.max_slots / per_page : a.max_slots);
+  const int64_t* offsets = per_page ? nullptr : a.comp_offsets + row * a.max_slots;
+  const int shift = per_page && !(per_page & (per_page - 1)) ? __builtin_ctzll(per_page) : -1;  // no division
+  const TC* head_rows = comp + head * a.stride_ch;
   const auto slot_row = [&](int64_t s) {
-    return comp + blocks[s] * a.stride_cb + head * a.stride_ch + offsets[s] * a.stride_cs;
+    if (!per_page) return head_rows + blocks[s] * a.stride_cb + offsets[s] * a.stride_cs;
+    const int64_t page = shift >= 0 ? s >> shift : s / per_page;
+    return head_rows + blocks[page] * a.stride_cb + (s - page * per_page) * a.stride_cs;
   };
   t.row_bytes = (a.head_d + a.head_dv) * static_cast<int>(sizeof(TC));
   for (int64_t s = lo; s < min64(hi, lo + kBlockKeys); ++s) prefetch_row(slot_row(s), t.row_bytes);

@@ -118,9 +118,9 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
             const Tensor& raw_cache, Tensor out, Tensor part_acc, Tensor part_ml, const Tensor& query_index,
             const Tensor& query_positions, const Tensor& raw_blocks, const Tensor& raw_offsets,
             const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
-            const Tensor& num_slots, const Tensor& origins, double scale, double log_weight, int64_t window,
-            int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group, int64_t tile_q,
-            int64_t num_splits) {
+            const Tensor& num_slots, int64_t comp_rows_per_page, const Tensor& origins, double scale,
+            double log_weight, int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop,
+            int64_t slots_per_group, int64_t tile_q, int64_t num_splits) {
   check_rows(query, "query", 3);
   check_rows(step_rows, "step_rows", 3);
   check_rows(comp_cache, "comp_cache", 4);
@@ -132,7 +132,9 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   a.num_rows = query_index.size(0);
   a.num_q = query_index.size(1);
   a.max_raw = raw_blocks.size(1);
-  a.max_slots = comp_blocks.size(1);
+  TORCH_CHECK(comp_rows_per_page >= 0, "chunked_kv: comp_rows_per_page must be >= 0");
+  a.comp_rows_per_page = comp_rows_per_page;
+  a.max_slots = comp_blocks.size(1) * (comp_rows_per_page ? comp_rows_per_page : 1);
   a.num_tokens = query.size(0);
   a.num_heads = static_cast<int>(query.size(1));
   a.num_kv_heads = static_cast<int>(raw_cache.size(1));
@@ -167,8 +169,8 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   a.raw_offsets = index(raw_offsets, "raw_offsets", a.num_rows, a.max_raw);
   a.raw_positions = index(raw_positions, "raw_positions", a.num_rows, a.max_raw);
   a.num_raw = index(num_raw, "num_raw", a.num_rows);
-  a.comp_blocks = index(comp_blocks, "comp_blocks", a.num_rows, a.max_slots);
-  a.comp_offsets = index(comp_offsets, "comp_offsets", a.num_rows, a.max_slots);
+  a.comp_blocks = index(comp_blocks, "comp_blocks", a.num_rows, comp_blocks.size(1));
+  a.comp_offsets = comp_rows_per_page ? nullptr : index(comp_offsets, "comp_offsets", a.num_rows, a.max_slots);
   a.num_slots = index(num_slots, "num_slots", a.num_rows);
   a.origins = index(origins, "origins", a.num_kv_heads);
   a.stride_qt = query.stride(0);

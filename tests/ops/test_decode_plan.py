@@ -6,7 +6,8 @@ uniform decode batch is the Python plan of `step_plan.build_plan`.
   same raw writes; the same chunk writes and zeroed slots once the entries
   aimed at the null page are set aside; for every request the same stored
   raw rows in the same order, the same number of visible slots and the same
-  pages for them.
+  pages for them, with the dense bias (one entry per slot) and without it
+  (the block table as it is, expanded by `KeySet.slot_tables`).
 - Through the schedule harness, decode steps planned on the device give the
   reference's outputs (PyTorch path, with the dense bias).
 - Building it performs no host synchronisation: no ``.cpu()``, ``.item()``,
@@ -21,6 +22,7 @@ import random
 import pytest
 import torch
 
+from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, build_plan
@@ -46,14 +48,16 @@ def _per_request(keys) -> list[tuple]:
     out = []
     for r in range(keys.query_index.shape[0]):
         n, s = int(keys.num_raw[r]), int(keys.num_slots[r])
+        blocks, offsets = keys.slot_tables()
         out.append((keys.raw_positions[r, :n].tolist(), keys.raw_blocks[r, :n].tolist(),
-                    keys.raw_offsets[r, :n].tolist(), s, keys.comp_blocks[r, :s].tolist(),
-                    keys.comp_offsets[r, :s].tolist(), keys.query_positions[r].tolist()))
+                    keys.raw_offsets[r, :n].tolist(), s, blocks[r, :s].tolist(),
+                    offsets[r, :s].tolist(), keys.query_positions[r].tolist()))
     return out
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "page-tables"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_equals_the_python_plan(name):
+def test_equals_the_python_plan(name, bias):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     origins = cfg.origins(0, 2)
     rng = random.Random(len(name))
@@ -67,7 +71,10 @@ def test_equals_the_python_plan(name):
         batch = pager.batch(steps)
         want = build_plan(batch, cfg, origins)
         got = build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table, batch.block_size,
-                                batch.raw_block_table, batch.raw_block_size, cfg, origins)
+                                batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=bias)
+        if not bias:  # the kernels' form: the block table itself, no per-slot entries
+            assert got.key_sets[0].comp_blocks is batch.block_table and got.key_sets[0].comp_offsets is None
+            assert got.key_sets[0].comp_rows_per_page == layout.states_per_block(cfg, batch.block_size)
         assert got.raw_writes.tolist() == want.raw_writes.tolist()
         assert _write_entries(got.writes, True) == _write_entries(want.writes, False)
         assert _zero_entries(got.writes, True) == _zero_entries(want.writes, False)

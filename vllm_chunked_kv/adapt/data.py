@@ -9,7 +9,7 @@ names and phrasings of the shipped evaluation task (`tasks.prose_codes`).
   ability under compression).
 - retrieval row: docstring filler with 2-6 facts ("The badge number assigned
   to Elena Costa is 5521.") at random token positions, then questions about
-  some of them, each answered by its code. Most asked facts sit more than
+  some of them (1-3 by default), each answered by its code. Most asked facts sit more than
   `min_distance` tokens before their question (beyond the raw window), one
   may be recent. Loss: KL on every token plus cross-entropy on the answers.
 
@@ -53,10 +53,12 @@ def text_row(tokenizer, rng: random.Random, length: int) -> Row:
     return Row(ids, [IGNORE] * length)
 
 
-def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int = 160) -> Row:
-    """A retrieval row of exactly `length` tokens (see the module docstring)."""
+def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int = 160,
+                  questions: tuple[int, int] = (1, 3)) -> Row:
+    """A retrieval row of exactly `length` tokens (see the module docstring) asking
+    between `questions[0]` and `questions[1]` of its facts."""
     facts = prose_codes.training_facts(rng, rng.randint(2, 6))
-    asked = rng.sample(range(len(facts)), k=min(len(facts), rng.randint(1, 3)))
+    asked = rng.sample(range(len(facts)), k=min(len(facts), rng.randint(*questions)))
     questions = [prose_codes.question_text(facts[i]) for i in asked]
     question_ids = [(tokenizer.encode(q), tokenizer.encode(a)) for q, a in questions]
     tail = sum(len(q) + len(a) for q, a in question_ids)

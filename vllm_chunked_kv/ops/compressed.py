@@ -102,7 +102,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
             pad_b, pad_n = padding.nonzero(as_tuple=True)
             raw[pad_b, :, pad_n] = 0
         own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
-        slots = _gather(comp_cache, keys.comp_blocks, keys.comp_offsets)  # [b, Hkv, Nc, Dk + Dv]
+        slots = _gather(comp_cache, *keys.slot_tables())  # [b, Hkv, Nc, Dk + Dv]
         q = query[keys.query_index].float()  # [b, L, Hq, D]
         q = q.view(b, num_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [b, Hkv, G, L, D]
         parts = [part.float() for part in (raw, own, slots)]
@@ -128,14 +128,23 @@ def attend_output(query: torch.Tensor, raw_cache: torch.Tensor, out: torch.Tenso
     return (query.new_empty(n, num_heads, head_dv) if out is None else out), num_heads // num_kv_heads
 
 
-def kernel_args(plan: StepPlan, scale: float) -> tuple[list[tuple[torch.Tensor, ...]], tuple]:
+def kernel_args(plan: StepPlan, scale: float, *, page_tables: bool = False) -> tuple[list[tuple], tuple]:
     """What the C++ and CUDA `attend` launches take, in their order: per key
     set, its index tensors (contiguous: query index and positions, raw
     blocks, offsets, positions and counts, compressed blocks, offsets and
-    counts); then the origins, scale and grid constants shared by all."""
-    key_args = [tuple(t.contiguous() for t in (
-        keys.query_index, keys.query_positions, keys.raw_blocks, keys.raw_offsets, keys.raw_positions,
-        keys.num_raw, keys.comp_blocks, keys.comp_offsets, keys.num_slots)) for keys in plan.key_sets]
+    counts), with `page_tables` (the C++ CPU kernel) followed by
+    ``comp_rows_per_page`` and the slots in the key set's own form (an empty
+    offsets tensor with page tables), else one entry per slot; then the
+    origins, scale and grid constants shared by all."""
+    key_args = []
+    for keys in plan.key_sets:
+        blocks, offsets = (keys.comp_blocks, keys.comp_offsets) if page_tables else keys.slot_tables()
+        if offsets is None:
+            offsets = blocks.new_empty(0)
+        args = tuple(t.contiguous() for t in (keys.query_index, keys.query_positions, keys.raw_blocks,
+                                              keys.raw_offsets, keys.raw_positions, keys.num_raw, blocks,
+                                              offsets, keys.num_slots))
+        key_args.append(args + (keys.comp_rows_per_page,) if page_tables else args)
     cfg = plan.cfg
     shared = (float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, cfg.chunk_size, cfg.hop,
               grid.slots_per_group(cfg))

@@ -170,7 +170,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
     origins = plan.origins.to(dtype=torch.long).contiguous()
     q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
-    key_args, shared = compressed.kernel_args(plan, scale)
+    key_args, shared = compressed.kernel_args(plan, scale, page_tables=True)
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
                       *args, origins, *shared, tile, splits)
@@ -189,7 +189,7 @@ def default_splits(tiles: list[tuple[KeySet, int]], num_kv_heads: int, threads: 
                                for keys, tile in tiles)
     if items == 0 or items >= 2 * threads:
         return 1
-    max_keys = max(keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.comp_blocks.shape[1]
+    max_keys = max(keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.num_slot_columns
                    for keys, _ in tiles)
     return max(1, min(-(-2 * threads // items), max_keys // 512, 64))
 

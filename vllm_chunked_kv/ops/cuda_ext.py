@@ -230,7 +230,7 @@ def _default_splits(tiles: list[tuple[KeySet, int]], num_kv_heads: int, limits: 
         return 1
     blocks = num_kv_heads * sum(keys.query_index.shape[0] * -(-keys.query_index.shape[1] // tile)
                                 for keys, tile in tiles)
-    max_keys = max((keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.comp_blocks.shape[1]
+    max_keys = max((keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.num_slot_columns
                     for keys, _ in tiles), default=0)
     if blocks == 0:
         return 1

@@ -14,16 +14,15 @@ that do not exist in a given step are padding, never read as data:
   at most one chunk per head; entries that complete nothing write to vLLM's
   null page (`step_plan.NULL_PAGE`), which no plan reads;
 - compressed slots: every slot the block table can address (``num_slots``
-  says how many may be visible; kernels read no further; for the PyTorch
-  path, which gathers every column, padding reads the request's slot 0
-  and its bias hides it).
+  says how many may be visible; kernels read no further), given as the
+  block table itself (`KeySet.comp_rows_per_page`); for the PyTorch path,
+  which gathers every column, one entry per slot, padding reading the
+  request's slot 0, hidden by its bias.
 
 `tests/ops/test_decode_plan.py` holds it to `step_plan.build_plan`.
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 
@@ -114,9 +113,8 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         slot_t = slot_t.masked_fill(~slot_valid, 0)
         comp_blocks, comp_offsets = block_table[req, slot_t // per_block], slot_t % per_block
         bias = visibility_bias(cfg, o, positions, raw_t, raw_valid, slot_t, slot_valid)
-    else:  # kernels read slots below num_slots only: every addressable slot, page by page, no per-slot arithmetic
-        comp_blocks = block_table[:, :, None].expand(b, width, per_block).reshape(b, width * per_block)  # [b, Nc]
-        comp_offsets = _page_offsets(b, width, per_block, t.device)  # [b, Nc]
+    else:  # kernels read slots below num_slots only: the page tables as they are (KeySet.slot_tables)
+        comp_blocks, comp_offsets = block_table, None  # [b, width]
     return KeySet(
         query_index=req,
         query_positions=positions,
@@ -128,11 +126,6 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         comp_offsets=comp_offsets,
         num_slots=num_slots,
         bias=bias,
+        comp_rows_per_page=0 if with_bias else per_block,
     )
 
-
-@lru_cache(maxsize=16)
-def _page_offsets(b: int, width: int, per_block: int, device: torch.device) -> torch.Tensor:
-    """``[b, width * per_block]``: each slot's row within its page, the same
-    for every step of a batch shape (kept, never written: kernels only read it)."""
-    return torch.arange(per_block, dtype=torch.long, device=device).repeat(b, width)

@@ -22,7 +22,7 @@ metadata, never per token or per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,7 +71,14 @@ class KeySet:
     Column ``n`` of the compressed part is the request's slot ``n`` (valid
     below ``num_slots``); which rows a query sees follows from the positions
     and the config (`visibility_bias`), so kernels recompute it instead of reading
-    ``bias``, which is only built for the PyTorch path."""
+    ``bias``, which is only built for the PyTorch path.
+
+    The slots' pages come in one of two forms: per slot (``comp_blocks`` and
+    ``comp_offsets`` ``[batch, Nc]``), or, when ``comp_rows_per_page`` > 0,
+    as the requests' page tables (``comp_blocks`` ``[batch, pages]``, slot
+    ``n`` at page ``n // comp_rows_per_page``, row ``n % comp_rows_per_page``;
+    ``comp_offsets`` None): the decode plan's form, which the C++ CPU kernel
+    reads as it is and `slot_tables` expands for the others."""
 
     query_index: torch.Tensor  # [batch, L] token index of each query; its rows are the step's own raw rows
     query_positions: torch.Tensor  # [batch, L] position of each query (consecutive within a request)
@@ -79,10 +86,29 @@ class KeySet:
     raw_offsets: torch.Tensor  # [batch, Nr]
     raw_positions: torch.Tensor  # [batch, Nr] position of each stored raw row (0 on padding)
     num_raw: torch.Tensor  # [batch] stored raw rows of each request (padding follows them)
-    comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot
-    comp_offsets: torch.Tensor  # [batch, Nc]
+    comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot (or [batch, pages], see above)
+    comp_offsets: torch.Tensor | None  # [batch, Nc] (None with page tables)
     num_slots: torch.Tensor  # [batch] slots of the request that may be visible (the rest is padding)
     bias: torch.Tensor | None  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
+    comp_rows_per_page: int = 0  # > 0: comp_blocks are page tables of pages this many slots each
+    _slot_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def num_slot_columns(self) -> int:
+        """Nc: the slots addressed per request (valid or padding)."""
+        return self.comp_blocks.shape[1] * max(self.comp_rows_per_page, 1)
+
+    def slot_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, row) of every slot, ``[batch, Nc]`` each, whatever the form;
+        expanded once per key set (every layer of a step shares it)."""
+        if not self.comp_rows_per_page:
+            return self.comp_blocks, self.comp_offsets
+        if self._slot_tables is None:
+            b, pages, per = self.comp_blocks.shape[0], self.comp_blocks.shape[1], self.comp_rows_per_page
+            blocks = self.comp_blocks[:, :, None].expand(b, pages, per).reshape(b, pages * per)  # [b, Nc]
+            rows = torch.arange(per, dtype=torch.long, device=blocks.device).repeat(b, pages)  # [b, Nc]
+            self._slot_tables = (blocks, rows)
+        return self._slot_tables
 
 
 @dataclass

@@ -295,7 +295,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     tiles = [(keys, 1 if keys.query_index.shape[1] == 1 else block_m) for keys in plan.key_sets]
     programs = sum(keys.query_index.shape[0] * triton.cdiv(keys.query_index.shape[1], tile_m)
                    for keys, tile_m in tiles) * num_kv_heads
-    max_keys = max(keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.comp_blocks.shape[1]
+    max_keys = max(keys.raw_blocks.shape[1] + keys.query_index.shape[1] + keys.num_slot_columns
                    for keys, _ in tiles)
     splits = num_splits or default_splits(programs, max_keys, device)
     part_acc = part_ml = out  # unused placeholders when there is one split
@@ -319,14 +319,15 @@ def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, key
     tiles_per_row = triton.cdiv(num_q, consts["BLOCK_M"])
     c = lambda t: t.contiguous()  # noqa: E731
     cfg = plan.cfg
+    comp_blocks, comp_offsets = keys.slot_tables()  # [b, Nc] each
     _chunked_kv_attention_kernel[(num_rows * tiles_per_row, raw_cache.shape[1], consts["NUM_SPLITS"])](
         query, step_rows, raw_cache, comp_cache, out, part_acc, part_ml,
         c(keys.query_index), c(keys.query_positions),
         c(keys.raw_blocks), c(keys.raw_offsets), c(keys.raw_positions),
-        c(keys.comp_blocks), c(keys.comp_offsets),
+        c(comp_blocks), c(comp_offsets),
         c(keys.num_raw), c(keys.num_slots), origins,
         float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
-        keys.comp_blocks.shape[1], query.shape[0], tiles_per_row,
+        comp_blocks.shape[1], query.shape[0], tiles_per_row,
         query.stride(0), query.stride(1), step_rows.stride(0), step_rows.stride(1),
         raw_cache.stride(0), raw_cache.stride(1), raw_cache.stride(2),
         comp_cache.stride(0), comp_cache.stride(1), comp_cache.stride(2), out.stride(0), out.stride(1),
