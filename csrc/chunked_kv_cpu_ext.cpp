@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -191,6 +192,33 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   if (a.num_rows && a.num_q) table().attend(a);
 }
 
+// Store the step rows of `tokens` [w] at their raw slots (`slots` [n], vLLM's
+// slot mapping: page * rows_per_page + row; -1, a padding token, goes to the
+// null page 0, which no plan reads): what compressed.write_raw does, in one call.
+void write_raw(Tensor raw_cache, const Tensor& step_rows, const Tensor& slots, const Tensor& tokens) {
+  check_rows(raw_cache, "raw_cache", 4);
+  check_rows(step_rows, "step_rows", 3);
+  TORCH_CHECK(step_rows.scalar_type() == raw_cache.scalar_type(), "chunked_kv: step_rows must be in the cache dtype");
+  TORCH_CHECK(step_rows.size(1) == raw_cache.size(1) && step_rows.size(2) == raw_cache.size(3),
+              "chunked_kv: step_rows ", step_rows.sizes(), " do not match the raw cache ", raw_cache.sizes());
+  const int64_t w = tokens.size(0), n = step_rows.size(0), per_page = raw_cache.size(2);
+  const int64_t* tok = index(tokens, "tokens", w);
+  const int64_t* slot = index(slots, "slots", slots.size(0));
+  const int64_t heads = raw_cache.size(1), row_bytes = raw_cache.size(3) * raw_cache.element_size();
+  char* raw = static_cast<char*>(raw_cache.data_ptr());
+  const char* step = static_cast<const char*>(step_rows.data_ptr());
+  const int64_t es = raw_cache.element_size();
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t t = tok[i];
+    TORCH_CHECK(t >= 0 && t < n && t < slots.size(0), "chunked_kv: token ", t, " out of range");
+    const int64_t at = slot[t] >= 0 ? slot[t] : 0;  // padding: the null page
+    char* dst = raw + ((at / per_page) * raw_cache.stride(0) + (at % per_page) * raw_cache.stride(2)) * es;
+    const char* src = step + t * step_rows.stride(0) * es;
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + h * raw_cache.stride(1) * es, src + h * step_rows.stride(1) * es, row_bytes);
+  }
+}
+
 void merge_splits(const Tensor& part_acc, const Tensor& part_ml, Tensor out) {
   check_rows(out, "out", 3);
   chunked_kv_cpu::MergeArgs a{};
@@ -220,6 +248,7 @@ std::vector<std::string> supported_isas() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_raw", &write_raw, "Store the step rows of some tokens at their raw slots");
   m.def("write_chunks", &write_chunks, "Pool the chunks a step completes into their compressed slots");
   m.def("attend", &attend, "Chunked attention of one key set's queries");
   m.def("merge_splits", &merge_splits, "Merge split partial softmaxes into out");

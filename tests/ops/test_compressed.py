@@ -61,11 +61,21 @@ def test_stored_rows_per_token():
 
 @pytest.mark.parametrize("impl", dispatch.IMPLS)
 def test_pad_slots_never_reach_a_live_page(impl):
-    assert dispatch.ops(impl).write_raw is compressed.write_raw  # the one raw-row store of every implementation
+    """Every implementation's raw-row store: the PyTorch one, or the C++ CPU
+    kernels' own (which must then be the one `ops` hands out)."""
+    write_raw = dispatch.ops(impl).write_raw
+    if impl == "cpp":
+        if dispatch.available("cpp", "cpu"):
+            pytest.skip("the C++ CPU kernels cannot run here")
+        from vllm_chunked_kv.ops import cpu_ext
+
+        assert write_raw is cpu_ext.write_raw
+    else:
+        assert write_raw is compressed.write_raw
     raw = torch.zeros(4, 2, 8, 6)  # [blocks, Hkv, rows, Dk + Dv]
     step_rows = torch.arange(1, 5, dtype=torch.float32).view(4, 1, 1).expand(4, 2, 6).clone()  # [n, Hkv, Dk + Dv]
     slots = torch.tensor([-1, 8 * 2 + 3, -1, 8 * 1 + 0])  # tokens 0 and 2 are padding (-1 // 8 is the last page)
-    compressed.write_raw(raw, step_rows, slots, torch.arange(4))
+    write_raw(raw, step_rows, slots, torch.arange(4))
     assert torch.all(raw[2, :, 3] == 2) and torch.all(raw[1, :, 0] == 4)
     live = [b for b in range(4) if b != NULL_PAGE]
     assert int((raw[live] != 0).sum()) == 2 * 2 * 6  # the two real rows, nothing from the padding

@@ -34,7 +34,8 @@ def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Ten
 
     step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V), slots ``[n]`` (vLLM's
     slot mapping of the raw pages, -1 for padding), tokens ``[w]`` (the rows
-    to store). Every implementation stores raw rows through this function.
+    to store). The PyTorch, Triton and CUDA paths store raw rows with this
+    function; the C++ CPU kernels do the same in one call (`cpu_ext.write_raw`).
     """
     # vLLM pads dummy batches with slot -1 (PAD_SLOT_ID); such rows go to the
     # null page (`step_plan.NULL_PAGE`), which no plan reads, instead of the

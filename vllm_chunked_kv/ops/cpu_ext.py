@@ -37,7 +37,7 @@ import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cuda_ext, jit
-from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
+from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan, derived
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CPP"
 ISA_ENV = "CHUNKED_KV_CPU_ISA"
@@ -130,17 +130,29 @@ def _step_rows(step_rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tenso
     return _rows(step_rows, None if step_rows.dtype in (cache_dtype, torch.float32) else torch.float32)
 
 
+def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """`compressed.write_raw` in one call (no tensor ops per layer)."""
+    step_rows = step_rows if step_rows.dtype == raw_cache.dtype else step_rows.to(raw_cache.dtype)
+    _module().write_raw(raw_cache, _rows(step_rows), slots if slots.dtype == torch.long else slots.long(),
+                        tokens.contiguous())
+
+
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int) -> None:
-    """`compressed.write_chunks`, one OpenMP loop over the chunks."""
+    """`compressed.write_chunks`, one OpenMP loop over the chunks (its index
+    tables prepared once per step)."""
     compressed.zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
     slots = cfg.pooled_slots
-    c = torch.Tensor.contiguous
-    _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype),
-                           compressed.fixed_gains(cfg, comp_cache.device), c(writes.heads), c(writes.src_blocks),
-                           c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),
+
+    def tables():
+        c = torch.Tensor.contiguous
+        return (compressed.fixed_gains(cfg, comp_cache.device), c(writes.heads), c(writes.src_blocks),
+                c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets))
+
+    args = derived(writes, "cpp", tables)
+    _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype), *args,
                            head_size, slots.start, slots.stop, cfg.pooling == "key_norm")
 
 
@@ -168,9 +180,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
-    origins = plan.origins.to(dtype=torch.long).contiguous()
     q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
-    key_args, shared = compressed.kernel_args(plan, scale, page_tables=True)
+    origins, key_args, shared = derived(plan, ("cpp", scale), lambda: (
+        plan.origins.to(dtype=torch.long).contiguous(), *compressed.kernel_args(plan, scale, page_tables=True)))
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
                       *args, origins, *shared, tile, splits)

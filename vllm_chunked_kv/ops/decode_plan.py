@@ -24,6 +24,8 @@ that do not exist in a given step are padding, never read as data:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from vllm_chunked_kv import grid, layout
@@ -38,12 +40,11 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     position ``seq_lens[r] - 1`` (token index ``r``). seq_lens ``[b]``,
     block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, all on the
     device. Padding requests (seq_len 0) read and write nothing."""
-    long = dict(dtype=torch.long, device=seq_lens.device)
-    o = torch.tensor(origins, **long)  # [Hkv]
+    o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
     t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
     per_block = layout.states_per_block(cfg, block_size)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
-    return StepPlan(cfg=cfg, origins=o, raw_writes=torch.arange(t.shape[0], **long),
+    return StepPlan(cfg=cfg, origins=o, raw_writes=_arange(t.shape[0], seq_lens.device),
                     writes=_chunk_writes(cfg, o, origins, t, *tables),
                     key_sets=[_key_set(cfg, o, origins, t, *tables, bias)])
 
@@ -57,22 +58,22 @@ def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: 
     rel = p - grid.chunk_last(cfg, 0, o)  # [b, Hkv] = k * hop when the token ends chunk k
     done = (rel >= 0) & (rel % cfg.hop == 0)  # [b, Hkv] a chunk completes
     k = torch.where(done, rel // cfg.hop, 0)  # [b, Hkv]
-    req = torch.arange(b, **long)[:, None].expand(b, hkv)  # [b, Hkv]
-    positions = grid.chunk_start(cfg, k, o)[..., None] + torch.arange(cfg.chunk_size, **long)  # [b, Hkv, cs]
+    req = _arange(b, t.device)[:, None].expand(b, hkv)  # [b, Hkv]
+    positions = grid.chunk_start(cfg, k, o)[..., None] + _arange(cfg.chunk_size, t.device)  # [b, Hkv, cs]
     positions = torch.where(done[..., None], positions, 0)
     src_blocks = raw_block_table[req[..., None], positions // raw_block_size]  # [b, Hkv, cs]
     src_step = torch.where(positions == p[..., None], req[..., None], -1)  # [b, Hkv, cs] own row, else stored
-    slots = ((k + grid.first_group(cfg, o)) * spg)[..., None] + torch.arange(spg, **long)  # [b, Hkv, spg]
+    slots = ((k + grid.first_group(cfg, o)) * spg)[..., None] + _arange(spg, t.device)  # [b, Hkv, spg]
     last_page = block_table.shape[1] - 1  # empty entries may point past the table: gather in range
     dst_blocks = torch.where(done[..., None], block_table[req[..., None], (slots // per_block).clamp(max=last_page)],
                              NULL_PAGE)
     # Slots below a head's first group are zeroed when its chunk 0 completes.
     width = max((grid.first_group(cfg, x) * spg for x in origins), default=0)  # from the host's origins
-    zs = torch.arange(width, **long)  # [Z0]
+    zs = _arange(width, t.device)  # [Z0]
     zero = (done & (k == 0))[..., None] & (zs < grid.first_group(cfg, o)[:, None] * spg)  # [b, Hkv, Z0]
     zero_blocks = torch.where(zero, block_table[req[..., None], (zs // per_block).clamp(max=last_page)],
                               NULL_PAGE)  # [b, Hkv, Z0]
-    heads = torch.arange(hkv, **long)
+    heads = _arange(hkv, t.device)
     return ChunkWrites(
         heads=heads.expand(b, hkv).reshape(-1),  # [M = b * Hkv]
         src_blocks=src_blocks.reshape(-1, cfg.chunk_size),  # [M, cs]
@@ -90,14 +91,14 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
              per_block: int, raw_block_table: torch.Tensor, raw_block_size: int, with_bias: bool) -> KeySet:
     long = dict(dtype=torch.long, device=t.device)
     b = t.shape[0]
-    req = torch.arange(b, **long)[:, None]  # [b, 1]
+    req = _arange(b, t.device)[:, None]  # [b, 1]
     first = t.clamp(min=0)  # [b] the stored rows lie before the token
     keep = grid.forever_raw(cfg, origins)  # kept leading rows (host int)
     window_from = grid.raw_from(cfg, first[:, None], o[None, :]).amin(dim=1)  # [b] over the heads' grids
     leading = first.clamp(max=keep)  # [b]
     start = torch.minimum(window_from.clamp(min=keep), first)  # [b] first stored row of the raw region
     num_raw = leading + (first - start)  # [b]
-    i = torch.arange(keep + layout.raw_window(cfg), **long)[None, :]  # [1, Nr] a bound on num_raw
+    i = _arange(keep + layout.raw_window(cfg), t.device)[None, :]  # [1, Nr] a bound on num_raw
     raw_t = torch.where(i < leading[:, None], i, start[:, None] + i - leading[:, None])  # [b, Nr]
     raw_valid = i < num_raw[:, None]  # [b, Nr] valid rows first, padding after
     raw_t = torch.where(raw_valid, raw_t, 0)
@@ -129,3 +130,21 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         comp_rows_per_page=0 if with_bias else per_block,
     )
 
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` in int64. On CPU one shared tensor per ``n``: a
+    fresh one costs several microseconds, a tenth of a batch-1 plan's time
+    (benchmarks/README.md). Plans only read their tensors."""
+    return _cpu_tensor(n, None) if device.type == "cpu" else torch.arange(n, dtype=torch.long, device=device)
+
+
+def _constant(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor, shared on CPU (see `_arange`)."""
+    return _cpu_tensor(None, values) if device.type == "cpu" else torch.tensor(values, dtype=torch.long, device=device)
+
+
+@lru_cache(maxsize=64)
+def _cpu_tensor(n: int | None, values: tuple[int, ...] | None) -> torch.Tensor:
+    with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
+        return torch.arange(n, dtype=torch.long) if values is None else torch.tensor(values, dtype=torch.long)

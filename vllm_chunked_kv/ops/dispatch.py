@@ -205,7 +205,7 @@ def ops(impl: str) -> Ops:
     if impl == "cpp":
         from vllm_chunked_kv.ops import cpu_ext
 
-        return Ops("cpp", compressed.write_raw, cpu_ext.write_chunks, cpu_ext.attend)
+        return Ops("cpp", cpu_ext.write_raw, cpu_ext.write_chunks, cpu_ext.attend)
     if impl == "triton":
         from vllm_chunked_kv.ops import triton_attention, triton_pool
 

@@ -62,6 +62,7 @@ class ChunkWrites:
     zero_heads: torch.Tensor  # [Z] slots below a head's first group, written as zeros
     zero_blocks: torch.Tensor  # [Z]
     zero_offsets: torch.Tensor  # [Z]
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see `derived`
 
 
 @dataclass
@@ -91,7 +92,7 @@ class KeySet:
     num_slots: torch.Tensor  # [batch] slots of the request that may be visible (the rest is padding)
     bias: torch.Tensor | None  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
     comp_rows_per_page: int = 0  # > 0: comp_blocks are page tables of pages this many slots each
-    _slot_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _slot_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_slot_columns(self) -> int:
@@ -118,6 +119,16 @@ class StepPlan:
     raw_writes: torch.Tensor  # [W] token indices whose raw rows are stored
     writes: ChunkWrites
     key_sets: list[KeySet]
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see `derived`
+
+
+def derived(holder: ChunkWrites | StepPlan, key, make):
+    """``make()``, computed once per `holder`: every layer of a step shares
+    its plan, so an implementation builds its kernel arguments once per step,
+    not per layer. Plans and what is derived from them are read only."""
+    if key not in holder.memo:
+        holder.memo[key] = make()
+    return holder.memo[key]
 
 
 def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, bias: bool = True) -> StepPlan:
