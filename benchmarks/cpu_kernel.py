@@ -14,7 +14,9 @@ step: for decode steps of the C++ kernels the device-side plan of
 time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is
 the rows a decode step's attention reads (visible compressed slots and raw
 rows, keys and values, every KV head and layer) over its time; ``memcpy
-GB/s`` copies a buffer of the same size.
+GB/s`` copies a buffer of the same size. With ``--cold`` each timed step
+starts after a 64 MB copy, so that its pages come from memory as in a
+model, whose weights pass through the caches between layers.
 
     python benchmarks/cpu_kernel.py --contexts 2048 8192 16384 32768 --batches 1 8 32
 """
@@ -57,8 +59,10 @@ def paged_step(cfg: ChunkedKVConfig, context: int, batch: int, q_len: int, *, bl
     return caches, paged
 
 
-def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype, repeat: int) -> dict:
-    """Median seconds of the plan and of one step's write_chunks + attend over all layers."""
+def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype, repeat: int,
+             flush=None) -> dict:
+    """Median seconds of the plan and of one step's write_chunks + attend over
+    all layers (`flush()`, if given, runs before each timed step)."""
     ops = dispatch.ops(impl)
     n = paged.query_start[-1]
     num_kv_heads = caches[0][0].shape[1]
@@ -84,6 +88,8 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
             (python_plans if python_plan else plans).append(time.perf_counter() - begin)
             if not python_plan:
                 plan = built
+        if flush is not None:
+            flush()
         begin = time.perf_counter()
         for comp, raw in caches:
             ops.write_chunks(comp, raw, step_rows, plan.writes, cfg, head_size)
@@ -122,6 +128,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunked-kv", default="{\"chunk_size\": 4, \"window\": 128}")
+    parser.add_argument("--cold", action="store_true",
+                        help="copy a 64 MB buffer before each timed step, so that the pages come from memory, "
+                             "as in a model whose weights pass through the caches between layers")
     args = parser.parse_args()
     import json
 
@@ -129,8 +138,11 @@ def main() -> None:
     cfg = ChunkedKVConfig(**json.loads(args.chunked_kv))
     dtype = getattr(torch, args.dtype)
     shape = dict(heads=args.heads, head_size=args.head_size, dtype=dtype, repeat=args.repeat)
+    if args.cold:
+        junk, junk_out = torch.randn(16 << 20), torch.empty(16 << 20)  # 64 MB each, more than most L3 caches
+        shape["flush"] = lambda: junk_out.copy_(junk)
     print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "
-          f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name}")
+          f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name} cold={args.cold}")
     print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'py plan':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
           f"{'read GB/s':>9} {'memcpy GB/s':>11} {'fraction':>8}")
     cases = [("decode", b, 1) for b in args.batches] + ([("prefill", 1, args.prefill)] if args.prefill else [])
