@@ -41,6 +41,7 @@ from pathlib import Path
 
 from vllm_chunked_kv.demo.modes import MITIGATION_MODES
 from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings
+from vllm_chunked_kv.testing.engine_run import worker_or_main
 
 DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
 # Mode -> settings over DEFAULT_SETTINGS (None: vLLM's default backend).
@@ -224,7 +225,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        print(json.dumps(worker(json.loads(sys.stdin.read()))), flush=True)
-    else:
-        main()
+    worker_or_main(worker, main)

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.testing.engine_run import run_json_script
+from vllm_chunked_kv.testing.engine_run import run_json_script, worker_or_main
 
 from bench_model import build_bench_model
 
@@ -109,7 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        print(json.dumps(worker(json.loads(sys.stdin.read()))), flush=True)
-    else:
-        main()
+    worker_or_main(worker, main)

@@ -52,7 +52,6 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
 def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch.Tensor,
                   block_table: torch.Tensor, per_block: int, raw_block_table: torch.Tensor,
                   raw_block_size: int) -> ChunkWrites:
-    long = dict(dtype=torch.long, device=t.device)
     b, hkv, spg = t.shape[0], o.shape[0], grid.slots_per_group(cfg)
     p = t[:, None].expand(b, hkv)  # [b, Hkv] the step's one position
     rel = p - grid.chunk_last(cfg, 0, o)  # [b, Hkv] = k * hop when the token ends chunk k

@@ -44,6 +44,16 @@ def run_json_script(argv: list[str], spec: dict, timeout: float | None, env: dic
     return result
 
 
+def worker_or_main(worker, main) -> None:
+    """A benchmark script's entry: with ``--worker`` (how `run_json_script`
+    starts it) the spec from stdin through `worker`, its result printed as
+    one JSON line; else `main()`."""
+    if sys.argv[1:] == ["--worker"]:
+        print(json.dumps(worker(json.loads(sys.stdin.read()))), flush=True)
+    else:
+        main()
+
+
 def _main() -> None:
     spec = json.loads(sys.stdin.read())
     from vllm import LLM, SamplingParams
