@@ -109,6 +109,14 @@ def test_adapted_merges_the_shipped_adapter(good, monkeypatch, tmp_path):
     assert (path / "README.md").is_file()
     assert fakes.leftovers(good.cache) == [fakes.NAME, f"{fakes.NAME}-adapted"]
     assert fetch(fakes.NAME, good.cache, adapted=True, progress=None) == path and len(calls) == 1
+    # A new version ships another adapter: the cached merge is stale and is redone, once.
+    (adapter / "adapter.safetensors").write_text("retrained")
+    said = []
+    assert fetch(fakes.NAME, good.cache, adapted=True, progress=said.append) == path and len(calls) == 2
+    assert any("merging it again" in line for line in said)
+    assert (path / fetcher.ADAPTER_STAMP).read_text().strip() == fetcher.adapter_digest(adapter)
+    assert fetch(fakes.NAME, good.cache, adapted=True, progress=None) == path and len(calls) == 2
+    assert fakes.leftovers(good.cache) == [fakes.NAME, f"{fakes.NAME}-adapted"]
 
 
 def test_fix_tokenizer_class(tmp_path):

