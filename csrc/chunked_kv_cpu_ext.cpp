@@ -204,10 +204,9 @@ void write_raw(Tensor raw_cache, const Tensor& step_rows, const Tensor& slots, c
   const int64_t w = tokens.size(0), n = step_rows.size(0), per_page = raw_cache.size(2);
   const int64_t* tok = index(tokens, "tokens", w);
   const int64_t* slot = index(slots, "slots", slots.size(0));
-  const int64_t heads = raw_cache.size(1), row_bytes = raw_cache.size(3) * raw_cache.element_size();
+  const int64_t es = raw_cache.element_size(), heads = raw_cache.size(1), row_bytes = raw_cache.size(3) * es;
   char* raw = static_cast<char*>(raw_cache.data_ptr());
   const char* step = static_cast<const char*>(step_rows.data_ptr());
-  const int64_t es = raw_cache.element_size();
   for (int64_t i = 0; i < w; ++i) {
     const int64_t t = tok[i];
     TORCH_CHECK(t >= 0 && t < n && t < slots.size(0), "chunked_kv: token ", t, " out of range");

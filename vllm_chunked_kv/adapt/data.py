@@ -9,9 +9,9 @@ names and phrasings of the shipped evaluation task (`tasks.prose_codes`).
   ability under compression).
 - retrieval row: docstring filler with 2-6 facts ("The badge number assigned
   to Elena Costa is 5521.") at random token positions, then questions about
-  some of them (1-3 by default), each answered by its code. Most asked facts sit more than
-  `min_distance` tokens before their question (beyond the raw window), one
-  may be recent. Loss: KL on every token plus cross-entropy on the answers.
+  some of them (1-3 by default), each answered by its code. Most asked
+  facts sit more than `min_distance` tokens before their question (beyond
+  the raw window), one may be recent. Loss: KL on every token plus cross-entropy on the answers.
 
 Everything follows from the `random.Random` passed in, so a step's batch is
 a function of (seed, step) and a resumed run sees the same data.

