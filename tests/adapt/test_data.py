@@ -5,14 +5,18 @@
   answer, and the labelled tokens spell the asked codes (with their period);
   every asked fact that is not the one recent fact starts at least
   `min_distance` tokens before the first question.
+- Hard rows (`distractors`): one phrasing for all facts, and an unasked fact
+  after the asked ones beyond `min_distance`.
 - A row is a function of the rng seed: the same seed gives the same row.
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 from vllm_chunked_kv.adapt import data
+from vllm_chunked_kv.tasks import prose_codes
 
 
 def test_rows_have_the_length_and_label_answers_only(byte_tokenizer):
@@ -51,3 +55,29 @@ def test_rows_are_deterministic(byte_tokenizer):
     b = data.retrieval_row(byte_tokenizer, random.Random(7), 512)
     c = data.text_row(byte_tokenizer, random.Random(7), 512)
     assert a == b and len(c.ids) == 512 and set(c.labels) == {data.IGNORE}
+
+
+def _facts(text: str) -> list[tuple[int, int, str]]:
+    """(start, phrasing index, code) of every training-phrasing record in `text`, in order."""
+    found = []
+    for k, (record, _, _) in enumerate(prose_codes._TRAIN_PHRASES):
+        pattern = re.escape(record).replace(r"\{name\}", r"[A-Z][a-z]+ [A-Z][a-z]+").replace(r"\{code\}", r"(\d{4})")
+        found += [(m.start(), k, m.group(1)) for m in re.finditer(pattern, text)]
+    return sorted(found)
+
+
+def test_hard_rows_share_one_phrasing_and_put_an_unasked_fact_after_the_asked_ones(byte_tokenizer):
+    """With `distractors=1` every row's facts use one phrasing and an unasked fact
+    starts after every asked fact that lies beyond `min_distance`; at 0 rows mix phrasings."""
+    for seed in range(20):
+        row = data.retrieval_row(byte_tokenizer, random.Random(seed), 1024, min_distance=300, distractors=1.0)
+        text = byte_tokenizer.decode(row.ids)
+        first_question = text.index("\n\nQuestion:")
+        facts = _facts(text[:first_question])
+        asked = set(byte_tokenizer.decode([t for t in row.labels if t != data.IGNORE]).replace(".", " ").split())
+        assert len(facts) >= 2 and len({k for _, k, _ in facts}) == 1
+        old_asked = [s for s, _, code in facts if code in asked and first_question - s >= 300]
+        assert any(code not in asked and s > max(old_asked, default=0) for s, _, code in facts)
+    mixed = [_facts(byte_tokenizer.decode(data.retrieval_row(byte_tokenizer, random.Random(seed), 1024).ids))
+             for seed in range(20)]
+    assert any(len({k for _, k, _ in facts}) > 1 for facts in mixed)

@@ -2,7 +2,8 @@
 
 Both kinds use the training split of `tasks.english_text` (standard-library
 docstrings), never the held-out passages perplexity is measured on, nor the
-names and phrasings of the shipped evaluation task (`tasks.prose_codes`).
+names or the filler of the shipped evaluation task (`tasks.prose_codes`; one
+of the seven training phrasings is the evaluation's).
 
 - text row: `length` tokens of consecutive docstring passages. Loss: KL to
   the full-attention teacher on every token (keeps the model's general
@@ -12,6 +13,10 @@ names and phrasings of the shipped evaluation task (`tasks.prose_codes`).
   some of them (1-3 by default), each answered by its code. Most asked
   facts sit more than `min_distance` tokens before their question (beyond
   the raw window), one may be recent. Loss: KL on every token plus cross-entropy on the answers.
+  With probability `distractors` the row is a hard one: every fact has the
+  same phrasing, so only the name tells them apart, and one fact that is not
+  asked sits after the asked ones, nearer the questions (often inside the
+  raw window, where it is read exactly while the asked ones are pooled).
 
 Everything follows from the `random.Random` passed in, so a step's batch is
 a function of (seed, step) and a resumed run sees the same data.
@@ -54,11 +59,13 @@ def text_row(tokenizer, rng: random.Random, length: int) -> Row:
 
 
 def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int = 160,
-                  questions: tuple[int, int] = (1, 3)) -> Row:
+                  questions: tuple[int, int] = (1, 3), distractors: float = 0.0) -> Row:
     """A retrieval row of exactly `length` tokens (see the module docstring) asking
-    between `questions[0]` and `questions[1]` of its facts."""
-    facts = prose_codes.training_facts(rng, rng.randint(2, 6))
-    asked = rng.sample(range(len(facts)), k=min(len(facts), rng.randint(*questions)))
+    between `questions[0]` and `questions[1]` of its facts; a hard row (one
+    phrasing, a recent unasked fact) with probability `distractors`."""
+    hard = distractors > 0 and rng.random() < distractors  # no draw at 0: rows of earlier recipes unchanged
+    facts = prose_codes.training_facts(rng, rng.randint(2, 6), same_phrasing=hard)
+    asked = rng.sample(range(len(facts)), k=min(len(facts) - hard, rng.randint(*questions)))
     questions = [prose_codes.question_text(facts[i]) for i in asked]
     question_ids = [(tokenizer.encode(q), tokenizer.encode(a)) for q, a in questions]
     tail = sum(len(q) + len(a) for q, a in question_ids)
@@ -69,8 +76,11 @@ def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int 
     if latest_old < 8:
         raise ValueError(f"length {length} is too short for facts {min_distance} tokens before the questions")
     recent = rng.random() < 0.25  # sometimes one asked fact is recent (read exactly from the window)
-    starts = _place(rng, records, [i in asked and not (recent and i == asked[-1]) for i in range(len(facts))],
-                    latest_old, body)
+    old = [i in asked and not (recent and i == asked[-1]) for i in range(len(facts))]
+    late = [False] * len(facts)
+    if hard:  # the distractor: an unasked fact after the asked ones
+        late[rng.choice([i for i in range(len(facts)) if i not in asked])] = True
+    starts = _place(rng, records, old, latest_old, body, late)
     ids = _filler(tokenizer, rng, body)
     targets = [IGNORE] * body  # aligned with ids: the token to predict there, at answer tokens only
     for start, record in zip(starts, records):
@@ -82,27 +92,34 @@ def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int 
     return Row(ids[:length], labels[:length])
 
 
-def _place(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int) -> list[int]:
-    """Non-overlapping start positions: `old` records start by `latest_old`, the others
-    anywhere in the body. Uniform draws, redrawn on overlap; when rows are too
-    crowded for that to succeed, `_place_in_regions` places them constructively."""
+def _place(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int,
+           late: list[bool]) -> list[int]:
+    """Non-overlapping start positions: `old` records start by `latest_old`, `late` ones
+    after every old one ends, the others anywhere in the body. Uniform draws, redrawn
+    on overlap; when rows are too crowded for that to succeed, `_place_in_regions`
+    places them constructively."""
+    after_old = latest_old + max(len(r) for r in records) + 1  # where region B of `_place_in_regions` starts
     for _ in range(100):
-        starts = [rng.randint(4, latest_old if o else body - len(r)) for r, o in zip(records, old)]
+        starts = [rng.randint(after_old if t else 4, latest_old if o else body - len(r))
+                  for r, o, t in zip(records, old, late)]
         spans = sorted((s, s + len(r)) for s, r in zip(starts, records))
         if all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
             return starts
-    return _place_in_regions(rng, records, old, latest_old, body)
+    return _place_in_regions(rng, records, old, latest_old, body, late)
 
 
-def _place_in_regions(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int) -> list[int]:
+def _place_in_regions(rng: random.Random, records: list[list[int]], old: list[bool], latest_old: int, body: int,
+                      late: list[bool]) -> list[int]:
     """Non-overlapping start positions: `old` records end by `latest_old` + their length
-    (region A), the others go to region A or after it (region B) at random."""
+    (region A), `late` ones go after it (region B), the others to either at random."""
     region_a = (4, latest_old + max(len(r) for r in records))
     region_b = (region_a[1] + 1, body)
-    in_a = [o or rng.random() < 0.5 for o in old]
+    in_a = [o or (not t and rng.random() < 0.5) for o, t in zip(old, late)]
     size = lambda region, flag: region[1] - region[0] - sum(len(r) + 1 for r, a in zip(records, in_a) if a == flag)  # noqa: E731
-    for i in sorted(range(len(records)), key=lambda i: old[i]):  # rebalance the not-old records if a region overflows
-        if not old[i] and in_a[i] and size(region_a, True) < 0:
+    for i in sorted(range(len(records)), key=lambda i: old[i]):  # rebalance the free records if a region overflows
+        if old[i] or late[i]:
+            continue
+        if in_a[i] and size(region_a, True) < 0:
             in_a[i] = False
         elif not in_a[i] and size(region_b, False) < 0 and size(region_a, True) >= len(records[i]) + 1:
             in_a[i] = True

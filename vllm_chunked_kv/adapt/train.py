@@ -54,6 +54,7 @@ class AdaptOptions:
     ce_weight: float = 1.0
     min_questions: int = 1  # questions per retrieval row, at least (capped by the row's 2-6 facts)
     max_questions: int = 3  # and at most
+    distractors: float = 0.0  # share of retrieval rows in one phrasing with a recent unasked fact (adapt/data.py)
     seed: int = 0
     checkpoint_every: int = 25
     eval_every: int = 100  # steps between retrieval probes (0: never)
@@ -75,7 +76,8 @@ def step_rows(tokenizer, step: int, opts: AdaptOptions) -> list[data.Row]:
     for i in range(opts.rows):
         text = i < opts.text_rows or (i >= opts.rows - opts.full_rows and step % 2 == 1)
         rows.append(data.text_row(tokenizer, rng, opts.length) if text else
-                    data.retrieval_row(tokenizer, rng, opts.length, questions=(opts.min_questions, opts.max_questions)))
+                    data.retrieval_row(tokenizer, rng, opts.length, questions=(opts.min_questions, opts.max_questions),
+                                           distractors=opts.distractors))
     return rows
 
 

@@ -7,13 +7,14 @@ mid-answer ("... Answer: Maria Olsen's access code is"), so a model that
 found the record continues with its digits. The tail also carries one
 distractor record about someone else, inside the window.
 
-Two disjoint sets of names and phrasings:
+Two disjoint sets of names and fillers (the evaluation's one phrasing is also
+one of training's seven):
 
 - `evaluation`: the scanner task file shipped in `tasks/data/prose_codes.jsonl`
   (`write_task_file`; JSONL in the format of `scan/tasks.py`), filler of
   plain everyday sentences written for it;
 - `training`: `training_text` builds `adapt`'s retrieval rows from other names,
-  other phrasings and standard-library docstrings as filler
+  seven phrasings and standard-library docstrings as filler
   (`english_text`, training split).
 """
 
@@ -110,16 +111,18 @@ class Fact:
     code: str
 
 
-def training_facts(rng: random.Random, count: int) -> list[Fact]:
-    """`count` facts about distinct people of the training split."""
+def training_facts(rng: random.Random, count: int, same_phrasing: bool = False) -> list[Fact]:
+    """`count` facts about distinct people of the training split, each in a random
+    phrasing or, with `same_phrasing`, all in one."""
     names: list[str] = []
     while len(names) < count:
         name = _name(rng, _TRAIN_FIRST, _TRAIN_LAST)
         if name not in names:
             names.append(name)
     facts = []
+    shared = rng.choice(_TRAIN_PHRASES) if same_phrasing else None
     for name in names:
-        record, question, prefix = rng.choice(_TRAIN_PHRASES)
+        record, question, prefix = shared or rng.choice(_TRAIN_PHRASES)
         code = _code(rng)
         facts.append(Fact(record.format(name=name, code=code), question.format(name=name),
                           prefix.format(name=name), code))
