@@ -4,8 +4,10 @@ Two measurements, each backend in a fresh in-process engine (its own
 interpreter) with prefix caching on:
 
 - **hits**: a 600-token prompt, the same prompt again, its first 400 tokens
-  plus 3 new ones, and the 600 plus 2 new ones; vLLM's `num_cached_tokens`
-  for each (the default backend, then `chunked_kv` with and without sinks);
+  plus 3 new ones, the 600 plus 2 new ones, then its first 300 tokens twice
+  with different continuations (a shared system prompt: the first of them
+  marks the junction, the second hits it); vLLM's `num_cached_tokens` for
+  each (the default backend, then `chunked_kv` with and without sinks);
 - **chat**: a conversation of `--turns` turns, each adding `--turn-tokens`
   tokens and resending everything before (2k, 4k, 6k, 8k tokens by
   default); the time to first token of each turn (wall time of a
@@ -75,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     settings = json.loads(args.chunked_kv)
     prompt = tokens(0, 600)
-    hit_rounds = [prompt, prompt, prompt[:400] + [5, 6, 7], prompt + [8, 9]]
+    hit_rounds = [prompt, prompt, prompt[:400] + [5, 6, 7], prompt + [8, 9],
+                  prompt[:300] + tokens(2, 300)[1:], prompt[:300] + tokens(3, 50)[1:]]
     conversation = tokens(1, args.turns * args.turn_tokens)
     chat_rounds = [conversation[: (t + 1) * args.turn_tokens] for t in range(args.turns)]
     engine = dict(enforce_eager=True, dtype=args.dtype, max_model_len=args.turns * args.turn_tokens + 16,
@@ -95,7 +98,8 @@ def main() -> None:
 
     print(f"model={args.model or 'benchmark Llama'} chunked_kv={json.dumps(settings)} retention={args.retention} "
           f"max_num_batched_tokens={args.max_num_batched_tokens} threads={args.threads}")
-    labels = ["600 tokens, first", "the same 600 again", "first 400 + 3 new", "the 600 + 2 new"]
+    labels = ["600 tokens, first", "the same 600 again", "first 400 + 3 new", "the 600 + 2 new",
+              "first 300 + 299 new", "first 300 + 49 other new"]
     print("| request | " + " | ".join(f"{name}: cached tokens" for name in hits) + " |")
     for i, label in enumerate(labels):
         print(f"| {label} | " + " | ".join(str(rows[i]["cached"]) for rows in hits.values()) + " |")

@@ -7,6 +7,8 @@
   adapted model's logits (so the merged checkpoint `vllm serve` loads is the
   model that was trained), and the merge touches exactly the target layers.
 - A saved adapter that names a layer the model does not have is refused.
+- `load_into` starts new adapters from a saved one (training it further);
+  another rank is refused.
 """
 
 from __future__ import annotations
@@ -78,3 +80,20 @@ def test_merge_refuses_foreign_adapters(tmp_path):
     other.model.layers = other.model.layers[:1]  # a model with one layer fewer
     with pytest.raises(ValueError, match="not a linear layer"):
         lora.merge_into(other, tmp_path)
+
+
+def test_load_into_starts_from_a_saved_adapter(tmp_path):
+    """A saved adapter loaded into fresh adapters of the same shape gives the same
+    logits (up to its bf16 file); one of another rank is refused."""
+    model = tiny_byte_llama()
+    adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
+    _trained_like(adapters)
+    lora.save_adapter(adapters, tmp_path, {})
+    trained = model(input_ids=IDS).logits
+    fresh_model = tiny_byte_llama()
+    fresh = lora.add_lora(fresh_model, rank=4, alpha=8, seed=3)
+    assert not torch.allclose(fresh_model(input_ids=IDS).logits, trained, atol=1e-3)
+    lora.load_into(fresh, tmp_path)
+    torch.testing.assert_close(fresh_model(input_ids=IDS).logits, trained, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="rank 4"):
+        lora.load_into(lora.add_lora(tiny_byte_llama(), rank=2, alpha=8, seed=0), tmp_path)

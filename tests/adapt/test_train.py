@@ -8,6 +8,8 @@
   directory resumes from its checkpoint and ends with exactly the adapters
   of an uninterrupted run (same seed, same threads).
 - Only the adapters change: the base weights are untouched.
+- Precision: bf16 autocast only where asked or (auto) where the CPU has
+  native bf16; fp32 otherwise; anything else is refused by name.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ def test_lr_schedule():
     assert train.lr_at(9, opts) == pytest.approx(1.0)
     assert train.lr_at(99, opts) == pytest.approx(0.1, abs=1e-3)
     assert all(train.lr_at(s, opts) >= train.lr_at(s + 1, opts) for s in range(10, 99))
+
+
+def test_precision_picks_bf16_only_where_it_is_native(monkeypatch):
+    assert train.autocast(train.AdaptOptions(precision="bf16")).fast_dtype == torch.bfloat16
+    assert train.autocast(train.AdaptOptions(precision="bf16"))._enabled
+    assert not train.autocast(train.AdaptOptions(precision="fp32"))._enabled
+    for native in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert train.autocast(train.AdaptOptions())._enabled is native
+    with pytest.raises(ValueError, match="precision"):
+        train.autocast(train.AdaptOptions(precision="fp16"))
 
 
 def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@
   before its end) of its last aligned boundary, and of every N-th token with
   retention interval N (every page with None); exactly those prefixes hit
   for a later request once the first is freed, and pool sizing counts the
-  tails;
+  tails, and a request's shared-prefix junction keeps its tail too (the next
+  request sharing that prefix hits it);
 - the spec is in vLLM's registry with its manager.
 """
 
@@ -178,8 +179,28 @@ def test_prefix_caching_keeps_the_tails_later_requests_hit():
         assert _hits(pool, spec, hits) == hits, interval
 
 
+def test_a_shared_prefix_junction_keeps_its_tail():
+    """vLLM's shared-prefix junction (set on a request whose compressed pages hit
+    further than its raw pages) keeps the tail before it: the next request sharing
+    that prefix hits there, with the default retention interval."""
+    WORKER_TABLES.clear()
+    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+    spec = cached_spec(0)
+    manager = make_manager(pool, spec)
+    req = request("b", HASHES)
+    req.shared_prefix_boundary = 24
+    manager.note_junction("b", 24)
+    step(manager, req, 0, 40, retention=0)
+    assert [i for i, page in enumerate(held(manager, "b")) if page is not None] == [0, 1, 4, 5, 7, 8, 9]
+    manager.remove_skipped_blocks("b", 40)
+    manager.free("b")
+    assert _hits(pool, spec, [20, 24, 32, 36]) == {20: 8, 24: 24, 32: 24, 36: 36}
+    assert not manager._junctions  # forgotten with the request
+
+
 def test_prefix_caching_sizing_counts_the_tails():
     base = SPEC.max_admission_blocks_per_request(64, 4096)
-    assert cached_spec(0).max_admission_blocks_per_request(64, 4096) == base + 1  # the alignment: one page
+    # a step's window (6 rows) + the alignment (4 rows) + a junction's tail (6 + one page: 10 rows) = 5 pages, not 2
+    assert cached_spec(0).max_admission_blocks_per_request(64, 4096) == base + 3
     assert cached_spec(16).max_admission_blocks_per_request(64, 4096) > base + 4  # a tail per 16 tokens
     assert cached_spec(None).max_admission_blocks_per_request(64, 4096) == base + 64 // BLOCK - 2  # every row

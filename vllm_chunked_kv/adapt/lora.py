@@ -106,6 +106,23 @@ def save_adapter(adapters: dict[str, LoRALinear], out_dir: Path, meta: dict) -> 
     (out_dir / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
+    """Start `adapters` from a saved adapter of the same shape (to train it further)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((adapter_dir / ADAPTER_META).read_text())
+    first = next(iter(adapters.values()))
+    if (meta["rank"], meta["alpha"]) != (first.rank, first.alpha):
+        raise ValueError(f"{adapter_dir}: rank {meta['rank']}, alpha {meta['alpha']}; "
+                         f"this run has rank {first.rank}, alpha {first.alpha}")
+    state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    if set(state) != set(adapter_state(adapters)):
+        raise ValueError(f"{adapter_dir}: its adapted layers are not this model's")
+    for path, a in adapters.items():
+        a.lora_a.data.copy_(state[f"{path}.lora_a"])
+        a.lora_b.data.copy_(state[f"{path}.lora_b"])
+
+
 def merge_into(model: nn.Module, adapter_dir: Path) -> int:
     """Add the saved adapter's updates to `model`'s plain linear weights; returns how many were merged."""
     from safetensors.torch import load_file

@@ -59,6 +59,20 @@ class AdaptOptions:
     checkpoint_every: int = 25
     eval_every: int = 100  # steps between retrieval probes (0: never)
     eval_prompts: int = 16
+    init_adapter: str = ""  # an adapter directory to start from (train it further) instead of a fresh one
+    precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)
+
+
+def autocast(opts: AdaptOptions):
+    """The compute precision of training and the probe (fp32 master weights either way).
+    Without native bf16 (an AVX2-only CPU) bf16 autocast is emulated and far slower than fp32."""
+    precision = opts.precision
+    if precision == "auto":
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        precision = "bf16" if native else "fp32"
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision: expected auto, bf16 or fp32, got {opts.precision!r}")
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def lr_at(step: int, opts: AdaptOptions) -> float:
@@ -134,6 +148,9 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     start = _load_checkpoint(checkpoint, adapters, optimizer) if checkpoint.exists() else 0
     if start:
         log(f"resuming from step {start} ({checkpoint})")
+    elif opts.init_adapter:
+        lora.load_into(adapters, Path(opts.init_adapter))
+        log(f"starting from the adapter in {opts.init_adapter}")
     prompts = probe.needle_prompts(tokenizer, opts.eval_prompts) if opts.eval_every else []
     records, began, done = [], time.perf_counter(), 0
     with open(work_dir / "train_log.jsonl", "a") as log_file:
@@ -145,7 +162,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, opts)
             model.train()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast(opts):
                 loss, kl, ce = loss_terms(model, adapters, ids, labels, cfg, opts)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -156,7 +173,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts), "steps_per_s": rate}
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
                 model.eval()
-                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), chunked_attention(model, cfg):
+                with torch.no_grad(), autocast(opts), chunked_attention(model, cfg):
                     record["probe_chunked"] = probe.accuracy(model, prompts)
             records.append(record)
             log_file.write(json.dumps(record) + "\n")

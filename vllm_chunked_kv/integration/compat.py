@@ -17,6 +17,8 @@ this one file, and the list below says what to re-check
 | `SingleTypeKVCacheManager._get_num_evictable_blocks` | raw_window | admission counts kept sink pages that are eviction candidates |
 | `SingleTypeKVCacheManager._has_partial_local_hit` | raw_window | the same sanity check vLLM's sliding-window manager makes |
 | `SlidingWindowManager._contiguous_blocks_for_hit` | raw_window | how many cached pages a hit needs before its end |
+| `KVCacheManager.allocate_slots` (wrapped) | raw_window | managers see request ids only; the raw pages must know the shared-prefix junction when a step is allocated |
+| `KVCacheManager.coordinator.single_type_managers`, `Request.shared_prefix_boundary` | raw_window | the same: where the junction is and whom to tell |
 """
 
 from __future__ import annotations
@@ -58,12 +60,21 @@ def patch_classmethod(cls: type, name: str, make: Callable[[Callable], Callable]
     """Replace classmethod `cls.name` by `make(original)` once (idempotent):
     `make` gets the original function (taking `cls` first) and returns the
     new one with the same signature."""
-    original = getattr(cls, name).__func__
+    _patch(cls, name, getattr(cls, name).__func__, make, classmethod)
+
+
+def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace method `cls.name` by `make(original)` once (idempotent), as `patch_classmethod`."""
+    _patch(cls, name, getattr(cls, name), make, lambda function: function)
+
+
+def _patch(cls: type, name: str, original: Callable, make: Callable[[Callable], Callable],
+           bind: Callable[[Callable], object]) -> None:
     if getattr(original, _PATCH_MARK, False):
         return
     patched = make(original)
     setattr(patched, _PATCH_MARK, True)
-    setattr(cls, name, classmethod(patched))
+    setattr(cls, name, bind(patched))
 
 
 def make_enum_member_picklable(member, lookup: Callable[[str], object]) -> None:
@@ -99,3 +110,13 @@ def has_partial_local_hit(manager, blocks: Sequence, num_tokens: int) -> bool:
 def blocks_for_hit(manager, window: int, block_size: int) -> int:
     """Cached pages a sliding-window hit needs right before its end, as vLLM counts them."""
     return manager._contiguous_blocks_for_hit(window, block_size, False)
+
+
+def single_type_managers(kv_cache_manager) -> Sequence:
+    """The per-group managers of vLLM's KV-cache manager."""
+    return kv_cache_manager.coordinator.single_type_managers
+
+
+def shared_prefix_boundary(request) -> int:
+    """vLLM's shared-prefix junction of a request (0: none), set when its prefix hit is looked up."""
+    return getattr(request, "shared_prefix_boundary", 0) or 0

@@ -22,9 +22,12 @@ by `RawWindowManager` (a `SlidingWindowManager`):
   the last aligned boundary it reaches (a prompt's replay boundary: resends
   and chat turns hit there) and, with vLLM's
   ``--prefix-cache-retention-interval N``, the tail before every N-th token
-  (``None``: every row). These pages are written in full, cached, and freed
-  to the pool as evictable pages once they leave the window
-  (docs/prefix-caching.md).
+  (``None``: every row). A request whose prompt shares a prefix with an
+  earlier one that the raw pages could not serve (vLLM's shared-prefix
+  junction: the compressed pages hit further than the raw tails) also keeps
+  the tail before that junction, so the next request sharing the prefix
+  hits it. These pages are written in full, cached, and freed to the pool as
+  evictable pages once they leave the window (docs/prefix-caching.md).
 
 Both are registered with vLLM's `KVCacheSpecRegistry` when this module is
 imported (the engine process imports it when it unpickles a spec).
@@ -72,7 +75,7 @@ class RawWindowSpec(SlidingWindowSpec):
             return self.max_step_tokens
         tail = self.sliding_window - 1 + self.block_size
         periodic = cdiv(self.max_step_tokens, self.retention_interval) if self.retention_interval else 0
-        return self.alignment_tokens + periodic * tail
+        return self.alignment_tokens + (periodic + 1) * tail  # + 1: a shared-prefix junction's tail
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """Sink pages, the window's pages before the oldest step in flight,
@@ -93,12 +96,20 @@ class RawWindowManager(SlidingWindowManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.sink_blocks = cdiv(kv_cache_spec.sink_tokens, self.block_size)
         self._dropped_until: dict[str, int] = {}  # per request: pages [sink_blocks, n) are null
+        self._junctions: dict[str, int] = {}  # per request: vLLM's shared-prefix junction, in tokens
+
+    def note_junction(self, request_id: str, boundary: int) -> None:
+        """Record the request's shared-prefix junction (0: none) before its step is allocated."""
+        if boundary:
+            self._junctions[request_id] = boundary
+        else:
+            self._junctions.pop(request_id, None)
 
     def _dead_until(self, num_tokens_main_model: int) -> int:
         """Pages wholly before the window at the end of a step are never stored."""
         return max(0, num_tokens_main_model - self.sliding_window + 1) // self.block_size
 
-    def _live(self, lo: int, hi: int, num_tokens_main_model: int) -> list[bool]:
+    def _live(self, request_id: str, lo: int, hi: int, num_tokens_main_model: int) -> list[bool]:
         """Which of the pages [lo, hi) of a step ending at `num_tokens_main_model` get a page:
         the sinks, the window at the end of the step and the prefix-cache tails."""
         spec: RawWindowSpec = self.kv_cache_spec
@@ -111,6 +122,10 @@ class RawWindowManager(SlidingWindowManager):
             align = self.cache_hit_alignment_tokens
             replay = (num_tokens_main_model - 1) // align * align // self.block_size  # page of the last boundary
             keep_from = min(keep_from, max(0, replay - self._tail_blocks()))
+            junction = self._junctions.get(request_id, 0) // align * align // self.block_size
+            if junction:
+                return [p < self.sink_blocks or p >= keep_from or junction - self._tail_blocks() <= p < junction
+                        or self._in_tail(p, interval) for p in range(lo, hi)]
         return [p < self.sink_blocks or p >= keep_from or self._in_tail(p, interval) for p in range(lo, hi)]
 
     def _tail_blocks(self) -> int:
@@ -142,6 +157,7 @@ class RawWindowManager(SlidingWindowManager):
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._dropped_until.pop(request_id, None)
+        self._junctions.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     # ---------------------------------------------------------- allocating
@@ -166,17 +182,17 @@ class RawWindowManager(SlidingWindowManager):
         if not running:
             skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
             held = max(skipped if skipped > self.sink_blocks else 0, held + len(new_computed_blocks))
-        return needed - self._num_dead(held, num_tokens, num_tokens_main_model)
+        return needed - self._num_dead(request_id, held, num_tokens, num_tokens_main_model)
 
-    def _num_dead(self, held: int, num_tokens: int, num_tokens_main_model: int) -> int:
+    def _num_dead(self, request_id: str, held: int, num_tokens: int, num_tokens_main_model: int) -> int:
         """New pages of a step that get the null block (see `allocate_new_blocks`)."""
-        return self._live(held, cdiv(num_tokens, self.block_size), num_tokens_main_model).count(False)
+        return self._live(request_id, held, cdiv(num_tokens, self.block_size), num_tokens_main_model).count(False)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks[request_id]
         held = len(req_blocks)
-        live = self._live(held, cdiv(num_tokens, self.block_size), num_tokens_main_model)
+        live = self._live(request_id, held, cdiv(num_tokens, self.block_size), num_tokens_main_model)
         if all(live):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         # The worker appends the returned ids to its block table: nulls included, in order.
@@ -260,11 +276,26 @@ class RawWindowManager(SlidingWindowManager):
         return mask
 
 
+def _tell_junctions(allocate_slots):
+    """vLLM's `KVCacheManager.allocate_slots`, first telling each raw-window
+    manager the request's shared-prefix junction (managers see only request ids)."""
+    def allocate_slots_with_junction(kv_cache_manager, request, *args, **kwargs):
+        junction = compat.shared_prefix_boundary(request)
+        for manager in compat.single_type_managers(kv_cache_manager):
+            if isinstance(manager, RawWindowManager):
+                manager.note_junction(request.request_id, junction)
+        return allocate_slots(kv_cache_manager, request, *args, **kwargs)
+    return allocate_slots_with_junction
+
+
 def register() -> None:
     """Add the spec to vLLM's registry (vLLM's own specs first: the registry
-    fills itself only while empty)."""
+    fills itself only while empty), and let the managers see junctions."""
     compat.ensure_spec_registry()
     KVCacheSpecRegistry.register(RawWindowSpec, RawWindowManager, uniform_type_base_spec=RawWindowSpec)
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    compat.patch_method(KVCacheManager, "allocate_slots", _tell_junctions)
 
 
 register()
