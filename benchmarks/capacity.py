@@ -10,9 +10,10 @@ default backend; ``max_model_len / tokens_per_state`` compressed rows plus the
 raw window (``window + chunk_size - 1`` rows) plus the rows kept raw forever
 (sinks, positions before staggered grid origins) with CHUNKED_KV. Each
 mitigation is measured with prefix caching off and on (vLLM's default): with
-it on, a step also keeps the raw rows a later prefix hit needs (up to one
-hit alignment of rows more per step with the default retention;
-docs/prefix-caching.md), which the theory leaves out.
+it on, a step also keeps the raw rows later prefix hits need (one hit
+alignment of rows and one shared-prefix junction's tail per step with the
+default retention, more with an interval; docs/prefix-caching.md), and the
+theory of those rows adds them (`kept_tail_rows`).
 
     python benchmarks/capacity.py --chunk-size 4 --window 128 --max-model-len 8192
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.integration.raw_cache import kept_tail_rows
 from vllm_chunked_kv.testing.engine_run import generate
 
 from bench_model import build_bench_model
@@ -52,8 +54,9 @@ def capacity_tokens(model: Path, engine: dict) -> int:
     return int(found[-1].replace(",", ""))
 
 
-def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: int) -> float:
-    rows = max_model_len / cfg.tokens_per_state + layout.raw_window(cfg) + layout.model_forever_raw(cfg, num_kv_heads)
+def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: int, kept_rows: int = 0) -> float:
+    rows = (max_model_len / cfg.tokens_per_state + layout.raw_window(cfg) + layout.model_forever_raw(cfg, num_kv_heads)
+            + kept_rows)
     return max_model_len / float(rows)
 
 
@@ -87,7 +90,9 @@ def main() -> None:
                                                  "enable_prefix_caching": caching,
                                                  "prefix_cache_retention_interval": args.retention if caching else 0,
                                                  "additional_config": {"chunked_kv": settings}})
-                ratio, ideal = tokens / default, theoretical_ratio(cfg, args.max_model_len, num_kv_heads)
+                kept = kept_tail_rows(cfg, args.block_size or layout.default_block_size(cfg),
+                                      args.max_num_batched_tokens, args.retention) if caching else 0
+                ratio, ideal = tokens / default, theoretical_ratio(cfg, args.max_model_len, num_kv_heads, kept)
                 rows.append(dict(backend=name, prefix_caching="on" if caching else "off", tokens=tokens, ratio=ratio,
                                  theoretical=ideal, fraction=ratio / ideal))
 

@@ -2,8 +2,9 @@
 same KV cache memory, vLLM reports a KV capacity (in tokens of
 max_model_len requests) at least 0.9 of the theoretical ratio over its
 default backend, where the theory counts, per request, max_model_len /
-tokens_per_state compressed rows, the raw window and the rows kept raw for
-sinks and staggered origins. The compressed pages hold `tokens_per_state`
+tokens_per_state compressed rows, the raw window, the rows kept raw for
+sinks and staggered origins, and (prefix caching is on, vLLM's default) the
+raw tails a step keeps for later prefix hits. The compressed pages hold `tokens_per_state`
 tokens per row, and the raw rows live in a cache group of their own."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.integration.raw_cache import kept_tail_rows
 from vllm_chunked_kv.testing.engine_run import generate
 
 pytestmark = pytest.mark.slow
@@ -46,7 +48,9 @@ def test_capacity_is_near_theory(name, tiny_llama, default_capacity):
     cfg = ChunkedKVConfig(**settings)
     tokens, log = capacity(tiny_llama, {**ENGINE, "attention_backend": "chunked_kv",
                                         "additional_config": {"chunked_kv": settings}})
-    rows = MAX_MODEL_LEN / cfg.tokens_per_state + layout.raw_window(cfg) + layout.model_forever_raw(cfg, 2)
+    kept = kept_tail_rows(cfg, 32, ENGINE["max_num_batched_tokens"], 0)  # prefix caching is on: kept raw tails
+    assert kept > 0
+    rows = MAX_MODEL_LEN / cfg.tokens_per_state + layout.raw_window(cfg) + layout.model_forever_raw(cfg, 2) + kept
     theory = MAX_MODEL_LEN / float(rows)
     assert tokens / default_capacity >= 0.9 * theory, (tokens, default_capacity, theory)
     # Two cache groups: compressed pages of 32 tokens, raw pages with as many rows as a compressed page.

@@ -4,7 +4,9 @@ through the openai client, and the server's own log shows that the engine's
 worker process built its layers with CHUNKED_KV. A long prompt sent twice
 hits the prefix cache (docs/prefix-caching.md) as vLLM's own counters show
 it: `usage.prompt_tokens_details.cached_tokens` and
-`vllm:prefix_cache_hits_total`, with the same completion."""
+`vllm:prefix_cache_hits_total`, with the same completion; of two prompts
+sharing a system prompt (its first 300 tokens) after it, the second hits the
+shared part (the spawned engine process sees vLLM's shared-prefix junction)."""
 
 from __future__ import annotations
 
@@ -35,11 +37,17 @@ def test_serve_with_chunked_kv(tiny_llama):
         long = " ".join(f"w{rng.randint(0, 200)}" for _ in range(600))
         first, second = (client.completions.create(model=model, prompt=long, max_tokens=4, temperature=0)
                          for _ in range(2))
+        system = " ".join(long.split()[:300])  # a shared system prompt, then two different questions
+        questions = [" ".join(f"q{rng.randint(0, 200)}" for _ in range(n)) for n in (300, 20)]
+        siblings = [client.completions.create(model=model, prompt=f"{system} {q}", max_tokens=1, temperature=0)
+                    for q in questions]
         metrics = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30).read().decode()
         log = server.log()
     assert second.choices[0].text == first.choices[0].text
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 601 - 64 - 4 - 128 <= cached < 601, cached  # 128: more than vLLM's hit alignment here
+    # the first sibling marks the shared-prefix junction (its raw tail was never kept), the second hits it
+    assert siblings[1].usage.prompt_tokens_details.cached_tokens >= 301 - 64 - 4 - 128
     hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
     assert hits and sum(hits) >= cached
     worker_lines = [line for line in log.splitlines() if "Using CHUNKED_KV attention backend" in line]

@@ -21,8 +21,9 @@
   hit to find), and the 700-token prompt was split by the scheduler;
 - at the same KV memory, vLLM's own KV capacity with chunk 4 / window 128 for
   8192-token requests is at least 0.9 of the theoretical gain over the
-  default backend (8192 tokens over 8192/4 pooled rows plus the raw window:
-  3.76x) and at most the compression ratio (4x). (At 1024 tokens the raw
+  default backend (8192 tokens over 8192/4 pooled rows, the raw window and
+  the raw tails a step keeps for later prefix hits) and at most the
+  compression ratio (4x). (At 1024 tokens the raw
   pages, about two windows per request, weigh more: 1.9x measured.)
 
 Needs the network (or $VLLM_CHUNKED_KV_CACHE holding the model) and a few
@@ -42,6 +43,7 @@ import pytest
 
 from vllm_chunked_kv import layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.integration.raw_cache import kept_tail_rows
 from vllm_chunked_kv.serving.kv_footprint import footprint, uncompressed_bytes_per_token
 
 from .engine import run
@@ -190,7 +192,8 @@ def test_chunked_capacity_is_near_theory(smollm2_dir, runs):
     config = json.loads((smollm2_dir / "config.json").read_text())
     layers, kv_heads, head_dim = config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]
     rows = (CAPACITY_LEN / cfg.tokens_per_state + layout.raw_window(cfg)
-            + layout.model_forever_raw(cfg, layers * kv_heads))  # per full-length request
+            + layout.model_forever_raw(cfg, layers * kv_heads)  # per full-length request
+            + kept_tail_rows(cfg, BLOCK, STEP_TOKENS, 0))  # prefix caching: raw tails kept for later hits
     theory = CAPACITY_LEN / float(rows)
     asymptotic = footprint(uncompressed_bytes_per_token(layers, kv_heads, head_dim, 2), cfg.tokens_per_state,
                            None).compression_ratio  # an endless request: tokens per stored row
@@ -198,5 +201,5 @@ def test_chunked_capacity_is_near_theory(smollm2_dir, runs):
     print(f"KV capacity at {ENGINE['kv_cache_memory_bytes'] >> 20} MiB: default {default['capacity_tokens']} "
           f"tokens; chunk 4 / window 128 {compressed['capacity_tokens']} tokens for {CAPACITY_LEN}-token "
           f"requests: {measured:.2f}x (theory {theory:.2f}x, at most {asymptotic:.0f}x)")
-    assert theory > 3.5
+    assert theory > 3.3
     assert 0.9 * theory <= measured <= asymptotic

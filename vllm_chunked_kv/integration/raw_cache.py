@@ -125,23 +125,31 @@ class RawPagesLayer(torch.nn.Module, AttentionLayerBase):
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         cache = vllm_config.cache_config
-        states = layout.states_per_block(self.cfg, cache.block_size)  # raw rows per page: the compressed page's states
-        return RawWindowSpec(
-            block_size=states,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            head_size_v=self.head_size_v,
-            dtype=self.dtype,
-            sliding_window=layout.raw_window(self.cfg),
-            sink_tokens=self.forever_raw,
-            max_step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-            prefix_caching=bool(cache.enable_prefix_caching),
-            retention_interval=cache.prefix_cache_retention_interval,
-            alignment_tokens=math.lcm(cache.block_size, states),
-        )
+        return raw_spec(self.cfg, cache.block_size, vllm_config.scheduler_config.max_num_batched_tokens,
+                        bool(cache.enable_prefix_caching), cache.prefix_cache_retention_interval,
+                        num_kv_heads=self.num_kv_heads, head_size=self.head_size, head_size_v=self.head_size_v,
+                        dtype=self.dtype, sink_tokens=self.forever_raw)
 
     def forward(self):  # never called: the attention layer uses the cache
         raise NotImplementedError
+
+
+def raw_spec(cfg: ChunkedKVConfig, block_size: int, max_step_tokens: int, prefix_caching: bool,
+             retention_interval: int | None, **pages) -> RawWindowSpec:
+    """The raw pages' spec for compressed pages of `block_size` tokens; `pages`:
+    num_kv_heads, head_size, head_size_v, dtype and sink_tokens (the rows kept raw for good)."""
+    states = layout.states_per_block(cfg, block_size)  # raw rows per page: the compressed page's states
+    return RawWindowSpec(block_size=states, sliding_window=layout.raw_window(cfg), max_step_tokens=max_step_tokens,
+                         prefix_caching=prefix_caching, retention_interval=retention_interval,
+                         alignment_tokens=math.lcm(block_size, states), **pages)
+
+
+def kept_tail_rows(cfg: ChunkedKVConfig, block_size: int, max_step_tokens: int, retention_interval: int | None) -> int:
+    """Raw rows one step keeps for later prefix hits with prefix caching on (raw_window.py):
+    what a capacity theory adds per request when prefix caching is on."""
+    spec = raw_spec(cfg, block_size, max_step_tokens, True, retention_interval,
+                    num_kv_heads=1, head_size=8, dtype=torch.float32)
+    return spec.tail_rows_per_step()
 
 
 def attach_raw_pages(impl, cfg: ChunkedKVConfig, forever_raw: int, static_forward_context: dict) -> RawPagesLayer:
