@@ -6,7 +6,6 @@ prefill (32-token steps) with prefix caching on."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
