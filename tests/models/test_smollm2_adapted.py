@@ -61,7 +61,7 @@ def test_vllm_serves_it_as_adapted(adapted_dir):
 def test_adapted_retrieves_what_the_base_cannot(adapted_dir, smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_chunked_kv.adapt import probe
+    from vllm_chunked_kv.adapt import probe, train
     from vllm_chunked_kv.demo.attention import chunked_attention
 
     cfg = read_serve_config(adapted_dir)
@@ -69,6 +69,7 @@ def test_adapted_retrieves_what_the_base_cannot(adapted_dir, smollm2_dir):
     scores = {}
     for name, path in (("base", smollm2_dir), ("adapted", adapted_dir)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), chunked_attention(model, cfg):
+        # adapt's own precision: bf16 where the CPU has it natively, fp32 where bf16 would be emulated
+        with torch.no_grad(), train.autocast(train.AdaptOptions()), chunked_attention(model, cfg):
             scores[name] = probe.accuracy(model, prompts)
     assert scores["base"] == 0.0 and scores["adapted"] >= 0.25, scores

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_chunked_kv.adapt import train
 from vllm_chunked_kv.serve_file import serve_settings
 
 _STEP = re.compile(r"^step (\d+)/(\d+) (.*)$")
@@ -60,7 +61,7 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         f"- served with: `--attention-backend chunked_kv --additional-config '{json.dumps({'chunked_kv': serve_settings(cfg)})}'`"
         " (also in `chunked_kv_serve.json`)",
         f"- options: `{json.dumps(asdict(opts))}`",
-        f"- time of this run: {seconds / 60:.1f} min on {torch.get_num_threads()} threads "
+        f"- time of this run: {seconds / 60:.1f} min in {train.precision(opts)} on {torch.get_num_threads()} threads "
         f"({platform.processor() or platform.machine()}), torch {torch.__version__}; steps logged: {len(records)}",
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "
         f"last 10 steps {mean(last, 'loss'):.3f} (CE {mean(last, 'ce'):.3f})",

@@ -63,16 +63,19 @@ class AdaptOptions:
     precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)
 
 
-def autocast(opts: AdaptOptions):
-    """The compute precision of training and the probe (fp32 master weights either way).
-    Without native bf16 (an AVX2-only CPU) bf16 autocast is emulated and far slower than fp32."""
-    precision = opts.precision
-    if precision == "auto":
+def precision(opts: AdaptOptions) -> str:
+    """"bf16" or "fp32": the compute precision of training and the probe (fp32 master weights
+    either way). Without native bf16 (an AVX2-only CPU) bf16 is emulated and far slower than fp32."""
+    if opts.precision == "auto":
         native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        precision = "bf16" if native else "fp32"
-    if precision not in ("bf16", "fp32"):
+        return "bf16" if native else "fp32"
+    if opts.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision: expected auto, bf16 or fp32, got {opts.precision!r}")
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    return opts.precision
+
+
+def autocast(opts: AdaptOptions):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision(opts) == "bf16")
 
 
 def lr_at(step: int, opts: AdaptOptions) -> float:
