@@ -13,7 +13,9 @@
   may break such a tie the other way; so a prompt passes when its tokens
   are equal up to a step where the default's best two tokens are within
   TIE_GAP and the chunked run took the second of them, with the default
-  token's logprob within LOGPROB_TOL in both runs at every step up to there,
+  token's logprob within LOGPROB_TOL in both runs at every step up to there
+  (at the split itself the chunked run's own top-2 may instead be within
+  TIE_GAP: a near tie of three tokens, seen on an AVX2-only CPU),
   and at least half the prompts must be equal throughout;
 - prefix-cache hits are counted by vLLM (num_cached_tokens) with the default
   backend and with chunk 4 / window 1024 (chunk 1 / window 1 reports none:
@@ -131,7 +133,10 @@ def compare(default: dict, other: dict, r: int, i: int) -> str:
     for j in range(min(k + 1, len(mine))):
         token, logprob = default["top2"][r][i][j][0]
         seen = dict((t, lp) for t, lp in other["top2"][r][i][j])
-        if token not in seen or abs(seen[token] - logprob) > LOGPROB_TOL:
+        if token in seen and abs(seen[token] - logprob) <= LOGPROB_TOL:
+            continue
+        # where they split, a near tie of three tokens may leave the default's out of the other's top-2
+        if not (j == k and max(seen.values()) - min(seen.values()) <= TIE_GAP):
             return f"step {j}: default token {token} logprob {logprob:.3f}, other top-2 {seen}"
     if k == len(mine):
         return "equal"
