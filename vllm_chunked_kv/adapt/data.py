@@ -98,7 +98,7 @@ def _place(rng: random.Random, records: list[list[int]], old: list[bool], latest
     after every old one ends, the others anywhere in the body. Uniform draws, redrawn
     on overlap; when rows are too crowded for that to succeed, `_place_in_regions`
     places them constructively."""
-    after_old = latest_old + max(len(r) for r in records) + 1  # where region B of `_place_in_regions` starts
+    after_old = _regions(records, latest_old, body)[1][0]  # late records start after the old ones end
     for _ in range(100):
         starts = [rng.randint(after_old if t else 4, latest_old if o else body - len(r))
                   for r, o, t in zip(records, old, late)]
@@ -112,8 +112,7 @@ def _place_in_regions(rng: random.Random, records: list[list[int]], old: list[bo
                       late: list[bool]) -> list[int]:
     """Non-overlapping start positions: `old` records end by `latest_old` + their length
     (region A), `late` ones go after it (region B), the others to either at random."""
-    region_a = (4, latest_old + max(len(r) for r in records))
-    region_b = (region_a[1] + 1, body)
+    region_a, region_b = _regions(records, latest_old, body)
     in_a = [o or (not t and rng.random() < 0.5) for o, t in zip(old, late)]
     size = lambda region, flag: region[1] - region[0] - sum(len(r) + 1 for r, a in zip(records, in_a) if a == flag)  # noqa: E731
     for i in sorted(range(len(records)), key=lambda i: old[i]):  # rebalance the free records if a region overflows
@@ -135,6 +134,12 @@ def _place_in_regions(rng: random.Random, records: list[list[int]], old: list[bo
             starts[i] = at + cut
             at += len(records[i]) + 1  # sorted cuts: each record starts after the previous one's end
     return starts
+
+
+def _regions(records: list[list[int]], latest_old: int, body: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Region A, where a record starting by `latest_old` ends at the latest, and region B after it."""
+    region_a = (4, latest_old + max(len(r) for r in records))
+    return region_a, (region_a[1] + 1, body)
 
 
 def batch(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:

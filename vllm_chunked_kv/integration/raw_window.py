@@ -115,6 +115,7 @@ class RawWindowManager(SlidingWindowManager):
         spec: RawWindowSpec = self.kv_cache_spec
         keep_from = self._dead_until(num_tokens_main_model)
         interval = 0  # no periodic tails without prefix caching
+        junction_tail = range(0)  # pages of the tail before the request's shared-prefix junction
         if spec.prefix_caching:
             interval = spec.retention_interval
             if interval is None:
@@ -123,10 +124,9 @@ class RawWindowManager(SlidingWindowManager):
             replay = (num_tokens_main_model - 1) // align * align // self.block_size  # page of the last boundary
             keep_from = min(keep_from, max(0, replay - self._tail_blocks()))
             junction = self._junctions.get(request_id, 0) // align * align // self.block_size
-            if junction:
-                return [p < self.sink_blocks or p >= keep_from or junction - self._tail_blocks() <= p < junction
-                        or self._in_tail(p, interval) for p in range(lo, hi)]
-        return [p < self.sink_blocks or p >= keep_from or self._in_tail(p, interval) for p in range(lo, hi)]
+            junction_tail = range(max(0, junction - self._tail_blocks()), junction)
+        return [p < self.sink_blocks or p >= keep_from or p in junction_tail or self._in_tail(p, interval)
+                for p in range(lo, hi)]
 
     def _tail_blocks(self) -> int:
         """Cached pages a prefix hit needs right before its (page-aligned) end, as vLLM counts them."""
