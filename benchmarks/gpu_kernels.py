@@ -36,6 +36,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -308,7 +309,7 @@ def run_timings(impls, mitigations, args, device, dtype, copy_gbps) -> list[dict
                 cfg = make_cfg(mitigation, args)
                 problem = make_problem(seq_lens, q_lens, cfg, args, device, dtype, bias=ops.needs_bias)
                 nbytes = read_bytes(problem[-1], args.num_kv_heads, args.head_size, dtype)
-                record(impl, mitigation, nbytes, lambda: step(ops, *problem, args.head_size))
+                record(impl, mitigation, nbytes, partial(step, ops, *problem, args.head_size))
                 del problem
         nbytes = full_bytes(seq_lens, args, dtype)
         inputs = baseline_inputs(seq_lens, q_lens, args, device, dtype) if device.type == "cuda" else None
@@ -317,7 +318,7 @@ def run_timings(impls, mitigations, args, device, dtype, copy_gbps) -> list[dict
                 rows.append({**base, "impl": name, "mitigation": "full attention", "kv_bytes": nbytes, "ms": None,
                              "gbps": None, "fraction_of_copy": None, "status": f"skipped: {runner}"})
             else:
-                record(name, "full attention", nbytes, lambda: runner(*inputs))
+                record(name, "full attention", nbytes, partial(runner, *inputs))
         del inputs
     return rows
 

@@ -60,7 +60,12 @@ fi
 
 case "$mode" in
     demo) step "running: vllm-chunked-kv demo $*"; exec "$VENV/bin/vllm-chunked-kv" demo "$@" ;;
-    test) step "running: pytest $*"; exec "$VENV/bin/python" -m pytest "$@" ;;
+    # Two pytest-xdist workers, one test file each at a time (module fixtures
+    # are built once): most tests wait on one engine process, so two keep both
+    # cores busy. CHUNKED_KV_TEST_WORKERS=0 runs everything in one process.
+    test) workers=${CHUNKED_KV_TEST_WORKERS:-2}
+          step "running: pytest -n $workers --dist loadfile $*"
+          exec "$VENV/bin/python" -m pytest -n "$workers" --dist loadfile "$@" ;;
     install) step "done: source $VENV/bin/activate" ;;
     *) echo "usage: scripts/setup.sh demo|test|install [ARGS]" >&2; exit 2 ;;
 esac

@@ -3,8 +3,9 @@ fetched into it once per session.
 
 The cache is `$VLLM_CHUNKED_KV_CACHE` when set, so a developer's cache is
 reused (no download, no conversion); otherwise a fresh temporary directory,
-and the first test that needs the model downloads it (93 MB) and converts it
-(about 20 s).
+shared by all pytest-xdist workers of the run, and the first test that needs
+the model downloads it (93 MB) and converts it (about 20 s). Two workers that
+fetch at once both build, and the first to publish wins (`models.cache`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from vllm_chunked_kv.models.fetcher import fetch
 @pytest.fixture(scope="session")
 def models_cache(tmp_path_factory) -> Path:
     configured = os.environ.get(cache.ENV_CACHE)
-    return Path(configured).expanduser() if configured else tmp_path_factory.mktemp("models-cache")
+    if configured:
+        return Path(configured).expanduser()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is per worker; its parent is the run's
+        shared = tmp_path_factory.getbasetemp().parent / "models-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
+    return tmp_path_factory.mktemp("models-cache")
 
 
 @pytest.fixture(scope="session")

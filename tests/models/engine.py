@@ -1,8 +1,9 @@
 """Greedy generation with a real model in a fresh in-process vLLM engine.
 
-`run(model, engine_kwargs, rounds)` starts this file in its own interpreter
-(vLLM keeps global state per process) with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
-and returns, per round (rounds run one after another on the same engine, so
+`run(model, engine_kwargs, rounds)` runs `engine_main` in a process of its
+own (vLLM keeps global state per process; `vllm_chunked_kv.testing.zygote`
+forks it with vLLM imported) with `VLLM_ENABLE_V1_MULTIPROCESSING=0` and
+returns, per round (rounds run one after another on the same engine, so
 a later round can hit the prefix cache an earlier one filled):
 
 - `outputs`: generated token ids per prompt;
@@ -20,15 +21,17 @@ minutes on 2 cores shared with other jobs (load ~7), over 10 at load ~17.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from vllm_chunked_kv.testing.engine_run import run_json_script
+from vllm_chunked_kv.adapt.train import native_bf16
+from vllm_chunked_kv.testing.zygote import run_forked
 
-ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=256 << 20,
+# The checkpoint's bf16 where the CPU computes it natively; fp32 where bf16 is emulated (AVX2 only:
+# three SmolLM2 runs took 8.5 minutes in bf16 there).
+SERVE_DTYPE = "bfloat16" if native_bf16() else "float32"
+ENGINE_DEFAULTS = dict(enforce_eager=True, dtype=SERVE_DTYPE, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
                        seed=0)
 
 
@@ -36,8 +39,8 @@ def run(model: str | Path, engine_kwargs: dict, rounds: list[list[list[int]]], m
         timeout: float = 1800) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return run_json_script([sys.executable, __file__], spec, timeout, env=offline, marker='{"outputs"')
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return run_forked(f"{__name__}:engine_main", spec, timeout, env=env)
 
 
 def _record_schedules(llm) -> dict[str, list[int]]:
@@ -56,8 +59,8 @@ def _record_schedules(llm) -> dict[str, list[int]]:
     return pieces
 
 
-def _main() -> None:
-    spec = json.loads(sys.stdin.read())
+def engine_main(spec: dict) -> dict:
+    """One engine run, in its own process."""
     from vllm import LLM, SamplingParams
 
     from vllm_chunked_kv.serving.kv_footprint import capacity_tokens
@@ -81,8 +84,4 @@ def _main() -> None:
     result.update(capacity_tokens=capacity_tokens(cache_config), num_gpu_blocks=cache_config.num_gpu_blocks,
                   block_size=cache_config.block_size, alignment_tokens=cache_config.cache_hit_alignment_tokens,
                   seconds=round(time.monotonic() - start, 2))
-    print(json.dumps({"outputs": result.pop("outputs", []), **result}), flush=True)
-
-
-if __name__ == "__main__":
-    _main()
+    return {"outputs": result.pop("outputs", []), **result}

