@@ -32,7 +32,8 @@ def describe(spec: dict) -> dict:
     print("hello from", os.getpid(), flush=True)
     print("and to stderr", file=sys.stderr, flush=True)
     return {"pid": os.getpid(), "parent": os.getppid(), "counter": len(COUNTER), "spec": spec,
-            "probe": os.environ.get("CHUNKED_KV_ZYGOTE_PROBE"), "other": os.environ.get("ZYGOTE_OTHER"), "preloaded": "json" in sys.modules}
+            "probe": os.environ.get("CHUNKED_KV_ZYGOTE_PROBE"), "other": os.environ.get("ZYGOTE_OTHER"),
+            "preloaded": "json" in sys.modules}
 
 
 def fail(spec: dict) -> dict:

@@ -1,10 +1,10 @@
 """Greedy generation with a real model in a fresh in-process vLLM engine.
 
 `run(model, engine_kwargs, rounds)` runs `engine_main` in a process of its
-own (vLLM keeps global state per process; `vllm_chunked_kv.testing.zygote`
-forks it with vLLM imported) with `VLLM_ENABLE_V1_MULTIPROCESSING=0` and
-returns, per round (rounds run one after another on the same engine, so
-a later round can hit the prefix cache an earlier one filled):
+own (vLLM keeps global state per process; `engine_run.run_engine_process`
+forks it with vLLM imported, engine core in-process) and returns, per round
+(rounds run one after another on the same engine, so a later round can hit
+the prefix cache an earlier one filled):
 
 - `outputs`: generated token ids per prompt;
 - `cached`: vLLM's `num_cached_tokens` per prompt (prefix-cache hits, tokens);
@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from vllm_chunked_kv.adapt.train import native_bf16
-from vllm_chunked_kv.testing.zygote import run_forked
+from vllm_chunked_kv.testing.engine_run import run_engine_process
 
 # The checkpoint's bf16 where the CPU computes it natively; fp32 where bf16 is emulated (AVX2 only:
 # three SmolLM2 runs took 8.5 minutes in bf16 there).
@@ -39,8 +39,8 @@ def run(model: str | Path, engine_kwargs: dict, rounds: list[list[list[int]]], m
         timeout: float = 1800) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return run_forked(f"{__name__}:engine_main", spec, timeout, env=env)
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return run_engine_process(f"{__name__}:engine_main", spec, timeout, env=offline)
 
 
 def _record_schedules(llm) -> dict[str, list[int]]:

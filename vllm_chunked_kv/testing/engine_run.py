@@ -21,6 +21,7 @@ import sys
 
 from vllm_chunked_kv.testing.zygote import run_forked
 
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine core in the run's own process
 ENGINE_DEFAULTS = dict(enforce_eager=True, dtype="float32", max_model_len=1024,
                        kv_cache_memory_bytes=64 << 20, seed=0)
 
@@ -29,8 +30,13 @@ def generate(model: str, engine_kwargs: dict, rounds: list[list[list[int]]], max
              timeout: float = 600, env: dict[str, str] | None = None) -> dict:
     spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **engine_kwargs}, "rounds": rounds,
             "max_tokens": max_tokens}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-    return run_forked(f"{__name__}:engine_main", spec, timeout, env=env)
+    return run_engine_process(f"{__name__}:engine_main", spec, timeout, env=env)
+
+
+def run_engine_process(target: str, spec: dict, timeout: float | None, env: dict[str, str] | None = None) -> dict:
+    """``module:function`` called with `spec` in a fresh process forked with vLLM imported
+    (`zygote.run_forked`), with vLLM's engine core in that process; its result plus ``log``."""
+    return run_forked(target, spec, timeout, env={**IN_PROCESS_ENGINE, **(env or {})})
 
 
 def run_json_script(argv: list[str], spec: dict, timeout: float | None, env: dict[str, str] | None = None,
@@ -38,7 +44,7 @@ def run_json_script(argv: list[str], spec: dict, timeout: float | None, env: dic
     """Run an engine script in an in-process-engine interpreter, `spec` as JSON on stdin;
     its last stdout line starting with `marker`, parsed, plus `log` (vLLM logs to stdout).
     `timeout` None: no limit (benchmarks)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    env = {**os.environ, **IN_PROCESS_ENGINE, **(env or {})}
     proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:

@@ -14,9 +14,9 @@ environment plus `env`, its stdout and stderr (vLLM's log) captured, and
 returns the dict it returned plus ``log``. A zygote is started per distinct
 environment (some settings, e.g. ``TRITON_INTERPRET`` or ``HF_HUB_OFFLINE``,
 are read when a module is imported), ``CHUNKED_KV_*`` and ``PYTEST_*``
-variables aside (read when used), and lives until the calling process exits. The child runs
-nothing the zygote ran before the fork except imports: no OpenMP region is
-open when it forks.
+variables aside (read when used), and lives until the calling process
+exits. The zygote runs nothing but imports before it forks: no OpenMP
+region is open then.
 """
 
 from __future__ import annotations
