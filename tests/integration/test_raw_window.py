@@ -18,6 +18,10 @@
   for a later request once the first is freed, and pool sizing counts the
   tails, and a request's shared-prefix junction keeps its tail too (the next
   request sharing that prefix hits it);
+- while the step's pages all fit with at least half the pool free, a step
+  with prefix caching on keeps and caches every page (spare pages: every
+  page-aligned prefix hits); in a tighter pool only the tails above (pool
+  sizing counts those, not spare pages);
 - the spec is in vLLM's registry with its manager.
 """
 
@@ -161,6 +165,9 @@ def _hits(pool: BlockPool, spec: RawWindowSpec, lengths) -> dict[int, int]:
                                                        pool, spec, False, BLOCK)[1] for n in lengths}
 
 
+TIGHT = 20  # pool pages: one 40-position step's 10 pages would leave less than half of it free
+
+
 def test_prefix_caching_keeps_the_tails_later_requests_hit():
     # 40 positions in one step, window 7 (a hit needs 2 pages before it), sink pages 0-1.
     for interval, live, hits in [
@@ -169,7 +176,7 @@ def test_prefix_caching_keeps_the_tails_later_requests_hit():
         (None, list(range(10)), {36: 36, 32: 32, 28: 28, 16: 16}),  # every page
     ]:
         WORKER_TABLES.clear()
-        pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+        pool = BlockPool(TIGHT, enable_caching=True, hash_block_size=BLOCK)
         spec = cached_spec(interval)
         manager = make_manager(pool, spec)
         step(manager, request("a", HASHES), 0, 40, retention=interval)
@@ -184,7 +191,7 @@ def test_a_shared_prefix_junction_keeps_its_tail():
     further than its raw pages) keeps the tail before it: the next request sharing
     that prefix hits there, with the default retention interval."""
     WORKER_TABLES.clear()
-    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK)
+    pool = BlockPool(TIGHT, enable_caching=True, hash_block_size=BLOCK)
     spec = cached_spec(0)
     manager = make_manager(pool, spec)
     req = request("b", HASHES)
@@ -204,3 +211,20 @@ def test_prefix_caching_sizing_counts_the_tails():
     assert cached_spec(0).max_admission_blocks_per_request(64, 4096) == base + 3
     assert cached_spec(16).max_admission_blocks_per_request(64, 4096) > base + 4  # a tail per 16 tokens
     assert cached_spec(None).max_admission_blocks_per_request(64, 4096) == base + 64 // BLOCK - 2  # every row
+
+
+def test_a_step_with_room_keeps_spare_pages_every_prefix_hits():
+    """With half the pool free after the step, interval 0 keeps and caches every page
+    (the count predicted is what the step takes); the second request, a tighter fit, keeps only tails."""
+    WORKER_TABLES.clear()
+    pool = BlockPool(32, enable_caching=True, hash_block_size=BLOCK)
+    spec = cached_spec(0)
+    manager = make_manager(pool, spec)
+    step(manager, request("a", HASHES), 0, 40, retention=0)  # 31 free - 10 pages >= 16
+    assert None not in held(manager, "a")
+    step(manager, request("b", [bytes([50 + i]) for i in range(10)]), 0, 40, retention=0)  # 21 - 10 < 16
+    assert [i for i, page in enumerate(held(manager, "b")) if page is not None] == [0, 1, 7, 8, 9]
+    for name in "ab":
+        manager.remove_skipped_blocks(name, 40)
+        manager.free(name)
+    assert _hits(pool, spec, [16, 24, 28, 32, 36]) == {16: 16, 24: 24, 28: 28, 32: 32, 36: 36}

@@ -8,14 +8,11 @@ tiny Llama, greedy):
   granularity over both page sets, the block size or a small multiple);
 - a 4-turn chat whose every turn resends the conversation so far reuses the
   previous turns the same way;
-- the first 400 tokens of the 600 with 3 new ones (a shared system prompt
-  shorter than the first prompt) hit only with a retention interval (vLLM's
-  `--prefix-cache-retention-interval`; None keeps every row), as with vLLM's
-  own sliding-window layers; by default they are recomputed, and that
-  request keeps the tail before the shared prefix (vLLM's shared-prefix
-  junction), so the next request sharing it hits with every interval (the
-  first 300 with 300 new tokens, whose own end is far from the junction,
-  then with 50 others);
+- the first 400 tokens of the 600 with 3 new ones, and the first 300 with
+  300 or 50 new ones (shared system prompts shorter than the first prompt)
+  hit the same way with every retention interval (vLLM's
+  `--prefix-cache-retention-interval`, default 0): the pool has room, so the
+  first prompt's step kept its spare raw pages;
 - outputs with hits equal those of the same engine with prefix caching off,
   which hits nothing;
 - under a KV budget that other prompts overflow between two sends of the
@@ -55,7 +52,6 @@ TURNS = [CHAT[:n] for n in (350, 700, 1050, 1400)]  # each turn: the conversatio
 ROUNDS = [[PROMPT], [PROMPT], [PROMPT[:400] + [5, 6, 7]],
           [PROMPT[:300] + _tokens(2, 300)], [PROMPT[:300] + _tokens(3, 50)], *[[turn] for turn in TURNS]]
 SHARED = [None, 600, 400, 300, 300, None, 350, 700, 1050]  # tokens each round shares with an earlier one
-SYSTEM_PROMPTS = (2, 3)  # the rounds whose shared prefix ends inside earlier prompts, first met there
 
 
 def _engine(settings: dict, **extra) -> dict:
@@ -79,8 +75,8 @@ def test_hits_reach_the_window_before_the_shared_prefix(pair):
     cached, _, retention = pair
     hits = [c[0] for c in cached["cached"]]
     floor = WINDOW + CHUNK + max(cached["alignment_tokens"], retention or 0)
-    for i, (shared, hit) in enumerate(zip(SHARED, hits)):
-        if shared is None or (i in SYSTEM_PROMPTS and retention == 0):
+    for shared, hit in zip(SHARED, hits):
+        if shared is None:
             assert hit == 0, hits
         else:
             assert shared - floor <= hit < shared, hits

@@ -28,6 +28,12 @@ by `RawWindowManager` (a `SlidingWindowManager`):
   the tail before that junction, so the next request sharing the prefix
   hits it. These pages are written in full, cached, and freed to the pool as
   evictable pages once they leave the window (docs/prefix-caching.md).
+- **spare pages**: with prefix caching on, a step whose pages all fit while
+  at least half the pool stays free keeps every raw row it computes (as with
+  retention interval None), so any page-aligned prefix of a recent prompt
+  hits, like full attention. These pages are not reserved (pool sizing and
+  admission ignore them): under memory pressure only the tails above are
+  kept.
 
 Both are registered with vLLM's `KVCacheSpecRegistry` when this module is
 imported (the engine process imports it when it unpickles a spec).
@@ -97,6 +103,8 @@ class RawWindowManager(SlidingWindowManager):
         self.sink_blocks = cdiv(kv_cache_spec.sink_tokens, self.block_size)
         self._dropped_until: dict[str, int] = {}  # per request: pages [sink_blocks, n) are null
         self._junctions: dict[str, int] = {}  # per request: vLLM's shared-prefix junction, in tokens
+        self._spare: set[str] = set()  # requests whose counted step keeps every page (see `_has_room`)
+        self._cache_every_page: set[str] = set()  # requests whose step kept every page, until it is cached
 
     def note_junction(self, request_id: str, boundary: int) -> None:
         """Record the request's shared-prefix junction (0: none) before its step is allocated."""
@@ -109,16 +117,17 @@ class RawWindowManager(SlidingWindowManager):
         """Pages wholly before the window at the end of a step are never stored."""
         return max(0, num_tokens_main_model - self.sliding_window + 1) // self.block_size
 
-    def _live(self, request_id: str, lo: int, hi: int, num_tokens_main_model: int) -> list[bool]:
+    def _live(self, request_id: str, lo: int, hi: int, num_tokens_main_model: int,
+              spare: bool = False) -> list[bool]:
         """Which of the pages [lo, hi) of a step ending at `num_tokens_main_model` get a page:
-        the sinks, the window at the end of the step and the prefix-cache tails."""
+        the sinks, the window at the end of the step and the prefix-cache tails (every page if `spare`)."""
         spec: RawWindowSpec = self.kv_cache_spec
         keep_from = self._dead_until(num_tokens_main_model)
         interval = 0  # no periodic tails without prefix caching
         junction_tail = range(0)  # pages of the tail before the request's shared-prefix junction
         if spec.prefix_caching:
             interval = spec.retention_interval
-            if interval is None:
+            if interval is None or spare:
                 return [True] * (hi - lo)
             align = self.cache_hit_alignment_tokens
             replay = (num_tokens_main_model - 1) // align * align // self.block_size  # page of the last boundary
@@ -158,6 +167,8 @@ class RawWindowManager(SlidingWindowManager):
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._dropped_until.pop(request_id, None)
         self._junctions.pop(request_id, None)
+        self._spare.discard(request_id)
+        self._cache_every_page.discard(request_id)
         return super().pop_blocks_for_free(request_id)
 
     # ---------------------------------------------------------- allocating
@@ -182,17 +193,28 @@ class RawWindowManager(SlidingWindowManager):
         if not running:
             skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
             held = max(skipped if skipped > self.sink_blocks else 0, held + len(new_computed_blocks))
-        return needed - self._num_dead(request_id, held, num_tokens, num_tokens_main_model)
+        dead = self._live(request_id, held, cdiv(num_tokens, self.block_size), num_tokens_main_model).count(False)
+        self._spare.discard(request_id)
+        if dead and self._has_room(needed):
+            self._spare.add(request_id)  # `allocate_new_blocks` gives this step every page, as counted here
+            return needed
+        return needed - dead
 
-    def _num_dead(self, request_id: str, held: int, num_tokens: int, num_tokens_main_model: int) -> int:
-        """New pages of a step that get the null block (see `allocate_new_blocks`)."""
-        return self._live(request_id, held, cdiv(num_tokens, self.block_size), num_tokens_main_model).count(False)
+    def _has_room(self, pages: int) -> bool:
+        """Whether a step may keep all its `pages` as spare prefix-cache pages:
+        prefix caching is on and at least half the pool stays free after them."""
+        pool = self.block_pool
+        return self.kv_cache_spec.prefix_caching and pool.get_num_free_blocks() - pages >= pool.num_gpu_blocks // 2
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks[request_id]
         held = len(req_blocks)
-        live = self._live(request_id, held, cdiv(num_tokens, self.block_size), num_tokens_main_model)
+        spare = request_id in self._spare
+        self._spare.discard(request_id)
+        if spare:
+            self._cache_every_page.add(request_id)
+        live = self._live(request_id, held, cdiv(num_tokens, self.block_size), num_tokens_main_model, spare)
         if all(live):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         # The worker appends the returned ids to its block table: nulls included, in order.
@@ -211,6 +233,15 @@ class RawWindowManager(SlidingWindowManager):
         return new
 
     # -------------------------------------------------------- prefix cache
+
+    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None, *,
+                     replay_boundaries: Sequence[int]) -> None:
+        """vLLM caches only the pages its retention interval can reach; a step
+        that kept spare pages has them all cached (as with interval None)."""
+        if request.request_id in self._cache_every_page:
+            self._cache_every_page.discard(request.request_id)
+            retention_interval = None
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
