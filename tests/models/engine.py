@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from vllm_chunked_kv.adapt.train import native_bf16
-from vllm_chunked_kv.testing.engine_run import run_engine_process
+from vllm_chunked_kv.testing.engine_run import in_process_scheduler, run_engine_process
 
 # The checkpoint's bf16 where the CPU computes it natively; fp32 where bf16 is emulated (AVX2 only:
 # three SmolLM2 runs took 8.5 minutes in bf16 there).
@@ -45,7 +45,7 @@ def run(model: str | Path, engine_kwargs: dict, rounds: list[list[list[int]]], m
 
 def _record_schedules(llm) -> dict[str, list[int]]:
     """Wrap the in-process scheduler: request id -> tokens scheduled per step."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = in_process_scheduler(llm)
     pieces: dict[str, list[int]] = defaultdict(list)
     schedule = scheduler.schedule
 

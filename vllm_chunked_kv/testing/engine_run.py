@@ -78,9 +78,14 @@ def engine_main(spec: dict) -> dict:
     return {"outputs": outputs, "preemptions": len(preemptions)}
 
 
+def in_process_scheduler(llm):
+    """vLLM's scheduler of an `LLM` whose engine core runs in this process (`IN_PROCESS_ENGINE`)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
 def _count_preemptions(llm) -> list[str]:
     """Wrap the in-process scheduler's preemption: the ids of the requests it preempts, as they happen."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = in_process_scheduler(llm)
     preempt = scheduler._preempt_request
     seen: list[str] = []
 
