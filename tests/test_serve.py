@@ -4,9 +4,9 @@ through the openai client, and the server's own log shows that the engine's
 worker process built its layers with CHUNKED_KV. A long prompt sent twice
 hits the prefix cache (docs/prefix-caching.md) as vLLM's own counters show
 it: `usage.prompt_tokens_details.cached_tokens` and
-`vllm:prefix_cache_hits_total`, with the same completion; of two prompts
-sharing a system prompt (its first 300 tokens) after it, the second hits the
-shared part (the spawned engine process sees vLLM's shared-prefix junction)."""
+`vllm:prefix_cache_hits_total`, with the same completion; two prompts
+sharing a system prompt (its first 300 tokens) after it both hit the shared
+part (the first prompt's step kept its spare raw pages: the pool had room)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,7 @@ def test_serve_with_chunked_kv(tiny_llama):
     assert second.choices[0].text == first.choices[0].text
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 601 - 64 - 4 - 128 <= cached < 601, cached  # 128: more than vLLM's hit alignment here
-    # the first sibling marks the shared-prefix junction (its raw tail was never kept), the second hits it
-    assert siblings[1].usage.prompt_tokens_details.cached_tokens >= 301 - 64 - 4 - 128
+    assert all(301 - 64 - 4 - 128 <= s.usage.prompt_tokens_details.cached_tokens <= 301 for s in siblings)
     hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
     assert hits and sum(hits) >= cached
     worker_lines = [line for line in log.splitlines() if "Using CHUNKED_KV attention backend" in line]

@@ -137,6 +137,12 @@ class _ChunkedKVFields(BaseModel):
     stagger_groups: int = Field(default=2, ge=1)
     """Number of distinct origins for stagger 'heads'; must divide hop."""
 
+    prefix_spare_pages: bool = True
+    """With vLLM's prefix caching on, a step keeps every raw row it computes
+    as prefix-cache pages while at least half of the KV pool stays free (not
+    reserved; docs/prefix-caching.md). False: only the reserved raw tails,
+    as vLLM keeps for its own sliding-window layers."""
+
     @field_validator("slot_gains")
     @classmethod
     def _check_gains(cls, gains: list[float] | None) -> list[float] | None:

@@ -141,7 +141,7 @@ def raw_spec(cfg: ChunkedKVConfig, block_size: int, max_step_tokens: int, prefix
     states = layout.states_per_block(cfg, block_size)  # raw rows per page: the compressed page's states
     return RawWindowSpec(block_size=states, sliding_window=layout.raw_window(cfg), max_step_tokens=max_step_tokens,
                          prefix_caching=prefix_caching, retention_interval=retention_interval,
-                         alignment_tokens=math.lcm(block_size, states), **pages)
+                         spare_pages=cfg.prefix_spare_pages, alignment_tokens=math.lcm(block_size, states), **pages)
 
 
 def kept_tail_rows(cfg: ChunkedKVConfig, block_size: int, max_step_tokens: int, retention_interval: int | None) -> int:

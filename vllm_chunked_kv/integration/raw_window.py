@@ -32,8 +32,8 @@ by `RawWindowManager` (a `SlidingWindowManager`):
   at least half the pool stays free keeps every raw row it computes (as with
   retention interval None), so any page-aligned prefix of a recent prompt
   hits, like full attention. These pages are not reserved (pool sizing and
-  admission ignore them): under memory pressure only the tails above are
-  kept.
+  admission ignore them): under memory pressure, or with the setting
+  ``prefix_spare_pages`` off, only the tails above are kept.
 
 Both are registered with vLLM's `KVCacheSpecRegistry` when this module is
 imported (the engine process imports it when it unpickles a spec).
@@ -66,6 +66,8 @@ class RawWindowSpec(SlidingWindowSpec):
     retention_interval: int | None = 0
     """vLLM's prefix_cache_retention_interval: 0 keeps only the tail at the end
     of each step, N also one every N tokens, None every row."""
+    spare_pages: bool = True
+    """With prefix caching on, keep a step's every page while the pool stays half free (not reserved)."""
     alignment_tokens: int = 1
     """vLLM's prefix-hit granularity over all cache groups (for sizing only)."""
 
@@ -202,9 +204,11 @@ class RawWindowManager(SlidingWindowManager):
 
     def _has_room(self, pages: int) -> bool:
         """Whether a step may keep all its `pages` as spare prefix-cache pages:
-        prefix caching is on and at least half the pool stays free after them."""
+        prefix caching and spare pages are on and at least half the pool stays free after them."""
+        spec: RawWindowSpec = self.kv_cache_spec
         pool = self.block_pool
-        return self.kv_cache_spec.prefix_caching and pool.get_num_free_blocks() - pages >= pool.num_gpu_blocks // 2
+        return (spec.prefix_caching and spec.spare_pages
+                and pool.get_num_free_blocks() - pages >= pool.num_gpu_blocks // 2)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
