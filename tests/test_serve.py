@@ -46,7 +46,8 @@ def test_serve_with_chunked_kv(tiny_llama):
     assert second.choices[0].text == first.choices[0].text
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 601 - 64 - 4 - 128 <= cached < 601, cached  # 128: more than vLLM's hit alignment here
-    assert all(301 - 64 - 4 - 128 <= s.usage.prompt_tokens_details.cached_tokens <= 301 for s in siblings)
+    sibling_hits = [s.usage.prompt_tokens_details.cached_tokens for s in siblings]
+    assert all(n >= 301 - 64 - 4 - 128 for n in sibling_hits), sibling_hits
     hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
     assert hits and sum(hits) >= cached
     worker_lines = [line for line in log.splitlines() if "Using CHUNKED_KV attention backend" in line]
