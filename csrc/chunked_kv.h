@@ -60,7 +60,7 @@ struct AttendArgs {
   const int64_t* comp_blocks;      // [num_rows, max_slots]
   const int64_t* comp_offsets;     // [num_rows, max_slots]
   const int64_t* num_slots;        // [num_rows] slots that may be visible
-  const int64_t* origins;          // [num_kv_heads] grid origin of each KV head
+  const int64_t* origins;          // [num_rows, num_kv_heads] grid origin of each request's KV heads
   int num_rows, num_q, max_raw, max_slots;
   int64_t num_tokens;
   int64_t stride_qt, stride_qh, stride_st, stride_sh, stride_ot, stride_oh;

@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
   const int count = min(a.num_q - t.first, a.tile_q);
   t.rows = count * t.group;
   t.p0 = static_cast<int>(a.query_positions[t.row * a.num_q]);
-  t.origin = static_cast<int>(a.origins[t.head]);
+  t.origin = static_cast<int>(a.origins[t.row * a.num_kv_heads + t.head]);  // the request's grid on this KV head
   t.first_group = (t.origin + a.chunk_size - 1) / a.hop;
   t.prefix_end = max(a.sink_tokens, t.origin);
   const int t_lo = t.p0 + t.first, t_hi = t_lo + count - 1;

@@ -69,7 +69,7 @@ struct AttendArgs {
   const int64_t* comp_blocks;
   const int64_t* comp_offsets;
   const int64_t* num_slots;        // [num_rows]
-  const int64_t* origins;          // [num_kv_heads]
+  const int64_t* origins;          // [num_rows, num_kv_heads] grid origin of each request's KV heads
   int64_t num_rows, num_q, max_raw, max_slots, num_tokens, comp_rows_per_page;
   int64_t stride_qt, stride_qh, stride_st, stride_sh, stride_ot, stride_oh;
   int64_t stride_rb, stride_rh, stride_rs, stride_cb, stride_ch, stride_cs;

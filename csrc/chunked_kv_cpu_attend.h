@@ -154,7 +154,7 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   const int64_t p0 = a.query_positions[q_row];
   tq.t_lo = p0 + first;
   const int64_t t_hi = tq.t_lo + tq.count - 1;
-  tq.origin = a.origins[head];
+  tq.origin = a.origins[row * a.num_kv_heads + head];  // the request's grid on this KV head
   tq.first_group = (tq.origin + a.chunk_size - 1) / a.hop;
   tq.prefix_end = max64(a.sink_tokens, tq.origin);
   for (int m = 0; m < tq.count; ++m) tq.s[m] = seal(a, tq.t_lo + m, tq.origin);

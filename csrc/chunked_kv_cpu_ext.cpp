@@ -173,7 +173,7 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   a.comp_blocks = index(comp_blocks, "comp_blocks", a.num_rows, comp_blocks.size(1));
   a.comp_offsets = comp_rows_per_page ? nullptr : index(comp_offsets, "comp_offsets", a.num_rows, a.max_slots);
   a.num_slots = index(num_slots, "num_slots", a.num_rows);
-  a.origins = index(origins, "origins", a.num_kv_heads);
+  a.origins = index(origins, "origins", a.num_rows, a.num_kv_heads);
   a.stride_qt = query.stride(0);
   a.stride_qh = query.stride(1);
   a.stride_ot = out.stride(0);

@@ -167,7 +167,7 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
   a.comp_blocks = index(comp_blocks, query, "comp_blocks", num_rows, max_slots);
   a.comp_offsets = index(comp_offsets, query, "comp_offsets", num_rows, max_slots);
   a.num_slots = index(num_slots, query, "num_slots", num_rows);
-  a.origins = index(origins, query, "origins", num_kv_heads);
+  a.origins = index(origins, query, "origins", num_rows, num_kv_heads);
   if (num_splits > 1) {
     check_device(part_acc, query, "part_acc");
     check_device(part_ml, query, "part_ml");

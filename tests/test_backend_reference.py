@@ -1,5 +1,6 @@
 """CHUNKED_KV in vLLM computes docs/design.md §3-4 exactly: for every mitigation x
-pooling mode (and staggered grids), greedy tokens from `vllm` equal those of
+pooling mode (and staggered grids, and per-request grid alignment, whose
+prompts cover every length mod hop), greedy tokens from `vllm` equal those of
 the same model run in transformers with the reference chunked attention, on
 20 prompts longer than window + 4 * chunk_size, generated under chunked
 prefill (32-token steps) with prefix caching on."""
@@ -37,6 +38,7 @@ CASES = {
     "stagger-gated": dict(mitigation="stagger", pooling="gated", slot_gains=GAINS),
     "stagger-key_norm": dict(mitigation="stagger", pooling="key_norm", sink_tokens=2),
     "no-proportional": dict(mitigation="none", proportional=False),
+    "align-stagger": dict(mitigation="stagger", sink_tokens=1, align="prompt_end"),
 }
 
 
@@ -55,15 +57,15 @@ def reference_greedy(model_dir, cfg: ChunkedKVConfig, batch: list[list[int]]) ->
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outputs = []
-    with torch.no_grad(), chunked_attention(model, cfg):
-        for ids in batch:
-            ids = list(ids)
-            new = []
+    for ids in batch:
+        shift = cfg.grid_shift(len(ids)) if cfg else 0  # the prompt's length fixes the grid of every step
+        ids, new = list(ids), []
+        with torch.no_grad(), chunked_attention(model, cfg, grid_shifts=[shift]):
             for _ in range(MAX_TOKENS):
                 logits = model(torch.tensor([ids])).logits[0, -1]  # [vocab]
                 new.append(int(logits.argmax()))
                 ids.append(new[-1])
-            outputs.append(new)
+        outputs.append(new)
     return outputs
 
 

@@ -95,6 +95,8 @@ def test_presets_fill_fields(settings, chunk_size, hop, keep_boundary, stagger):
         ({"stagger": "heads", "stagger_groups": 0}, "stagger_groups"),
         ({"stagger": "heads", "chunk_size": 1, "window": 4}, "stagger_groups"),
         ({"stagger_groups": 4}, "stagger_groups"),
+        ({"align": "prompt_start"}, "align"),
+        ({"align": True}, "align"),
     ],
 )
 def test_bad_values_name_the_field_in_one_line(settings, field):
@@ -118,6 +120,15 @@ def test_bad_choice_lists_the_choices():
     message = str(_error(mitigation="x"))
     assert message == "chunked_kv.mitigation: must be one of none, boundary, overlap, stride2, stagger (got 'x')"
     assert str(_error(chunk_size=0)) == "chunked_kv.chunk_size: must be >= 1 (got 0)"
+    assert str(_error(align="end")) == "chunked_kv.align: must be one of none, prompt_end (got 'end')"
+
+
+@pytest.mark.parametrize("align, hop, shifts", [("none", 4, [0, 0, 0, 0, 0]), ("prompt_end", 4, [1, 2, 3, 0, 1]),
+                                                ("prompt_end", 2, [1, 0, 1, 0, 1])])
+def test_grid_shift_is_the_prompt_length_mod_hop_with_align(align, hop, shifts):
+    """A request's grid shift puts the prompt's last token at the end of a chunk."""
+    cfg = ChunkedKVConfig(align=align, chunk_size=4, hop=hop)
+    assert [cfg.grid_shift(n) for n in (5, 6, 7, 8, 9)] == shifts
 
 
 def test_error_is_a_value_error_and_config_is_frozen():

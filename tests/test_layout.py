@@ -62,3 +62,15 @@ def test_raw_window_covers_every_read(settings):
         for start in range(1, 60):
             for k in grid.completed_chunks(cfg, start, start + 1, origin):
                 assert grid.chunk_last(cfg, k, origin) - cfg.chunk_size + 1 >= start - kept
+
+
+@pytest.mark.parametrize("settings, want", [
+    ({"sink_tokens": 2}, 2),
+    ({"sink_tokens": 2, "stagger": [[3, 0]]}, 3),
+    ({"sink_tokens": 2, "align": "prompt_end", "chunk_size": 8}, 7),
+    ({"sink_tokens": 9, "align": "prompt_end"}, 9),
+])
+def test_model_forever_raw_covers_every_origin_a_request_may_take(settings, want):
+    """The raw pages keep the positions before any head's origin in any request:
+    with `align`, every origin in [0, hop) is possible."""
+    assert layout.model_forever_raw(ChunkedKVConfig(**settings), 2) == want

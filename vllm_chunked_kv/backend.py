@@ -46,7 +46,7 @@ from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.integration.raw_cache import PagedRows, attach_raw_pages
-from vllm_chunked_kv.integration import BACKEND_NAME, settings
+from vllm_chunked_kv.integration import BACKEND_NAME, alignment, settings
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
 
@@ -123,6 +123,8 @@ class ChunkedKVMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks] compressed pages
     block_size: int  # tokens per compressed page
     device_seq_lens: torch.Tensor | None = None  # [num_reqs] when the decode plan is built on the device
+    grid_shifts: torch.Tensor | None = None  # [num_reqs] each request's grid shift (`align`; None: none),
+    # on the device with `device_seq_lens`, else on the host
     plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
 
     def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw, bias: bool) -> StepPlan:
@@ -132,11 +134,13 @@ class ChunkedKVMetadata:
         if origins not in self.plans:
             if self.device_seq_lens is not None:
                 self.plans[origins] = build_decode_plan(self.device_seq_lens, self.block_table, self.block_size,
-                                                        raw.block_table, raw.block_size, cfg, list(origins), bias=bias)
+                                                        raw.block_table, raw.block_size, cfg, list(origins), bias=bias,
+                                                        grid_shifts=self.grid_shifts)
             else:
                 batch = PagedBatch(
                     query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
                     block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
+                    grid_shifts=None if self.grid_shifts is None else self.grid_shifts.tolist(),
                 )
                 self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
         return self.plans[origins]
@@ -145,7 +149,9 @@ class ChunkedKVMetadata:
 class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
     """Uniform decode batches (one token per request) are planned on the
     device when `decode_plan_on_device` says so, and may then be captured in
-    CUDA graphs; every other batch gets the Python plan."""
+    CUDA graphs; every other batch gets the Python plan. With `align`, each
+    request's grid shift comes from its prompt length (`alignment`), kept on
+    the device in a buffer of fixed address (what a captured graph reads)."""
 
     def __init__(
         self,
@@ -160,6 +166,10 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         group = model.get_num_attention_heads(vllm_config.parallel_config) // kv_cache_spec.num_kv_heads
         impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)  # the layers' choice (cached)
         self.device_decode_plan = decode_plan_on_device(device, impl)
+        self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
+        self.shift_buffer = None  # [max_num_seqs] device copy of the grid shifts (`align`)
+        if self.config.align != "none" and torch.device(device).type != "cpu":
+            self.shift_buffer = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.long, device=device)
         logger.info_once("chunked KV: uniform decode batches are planned %s",
                          "on the device (CUDA-graph capturable)" if self.device_decode_plan else "in Python")
 
@@ -184,6 +194,11 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
             # No graphs to keep shapes for: the decode plan addresses only the
             # pages the longest request has (a page holds block_size tokens).
             block_table = block_table[:, : -(-m.max_seq_len // self.block_size)]
+        shifts = None
+        if self.config.align != "none":
+            shifts = alignment.prompt_lengths(self.vllm_config, m.num_reqs) % self.config.hop  # [num_reqs] host
+            if uniform_decode and self.shift_buffer is not None:
+                shifts = self.shift_buffer[: m.num_reqs].copy_(shifts, non_blocking=True)
         return ChunkedKVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),  # host tensor: no device wait
@@ -191,6 +206,7 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
             block_table=block_table,
             block_size=self.block_size,
             device_seq_lens=m.seq_lens[: m.num_reqs] if uniform_decode else None,
+            grid_shifts=shifts,
         )
 
 

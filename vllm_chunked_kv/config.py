@@ -59,6 +59,7 @@ def fail(field: str | None, detail: str) -> PydanticCustomError:
 _CHOICES = {
     "mitigation": tuple(PRESETS),
     "pooling": ("mean", "gated", "key_norm"),
+    "align": ("none", "prompt_end"),
 }
 
 
@@ -136,6 +137,14 @@ class _ChunkedKVFields(BaseModel):
 
     stagger_groups: int = Field(default=2, ge=1)
     """Number of distinct origins for stagger 'heads'; must divide hop."""
+
+    align: Literal["none", "prompt_end"] = "none"
+    """Per-request grid alignment (docs/design.md §10): 'none' (every request's
+    grid starts at position 0) or 'prompt_end' (each request's grid is shifted
+    by its prompt length mod hop, so every prompt ends on the last token of a
+    chunk, whatever its length; the shifted-over positions stay raw). Costs
+    no tokens and no memory; prefix caching then shares pages only between
+    requests of the same prompt length mod hop."""
 
     prefix_spare_pages: bool = True
     """With vLLM's prefix caching on, a step keeps every raw row it computes
@@ -286,6 +295,11 @@ class ChunkedKVConfig(_ChunkedKVFields):
             return [(h % self.stagger_groups) * step for h in range(num_kv_heads_total)]
         self.check_model(layer_idx + 1, num_kv_heads_total, exact_layers=False)
         return list(self.stagger[layer_idx])
+
+    def grid_shift(self, prompt_len: int) -> int:
+        """How far a request's grid moves for `align` (`grid.shifted`): its prompt
+        length mod hop with 'prompt_end', else 0."""
+        return prompt_len % self.hop if self.align == "prompt_end" else 0
 
     def check_model(self, num_layers: int, num_kv_heads_total: int, *, exact_layers: bool = True) -> None:
         """Raise ChunkedKVConfigError if an explicit stagger list does not fit the model."""

@@ -82,6 +82,19 @@ def completed_chunks(cfg, start: int, end: int, origin: int = 0) -> range:
     return range(lo, max(lo, hi))
 
 
+def shifted(cfg, origin, shift):
+    """A head's origin for a request whose grid is shifted by ``shift``
+    (`ChunkedKVConfig.grid_shift`: per-request alignment): staggered heads keep
+    their offsets from one another."""
+    return (origin + shift) % cfg.hop
+
+
+def possible_origins(cfg, origins: Sequence[int]) -> list[int]:
+    """Every origin a head with one of `origins` may take in some request:
+    all of ``[0, hop)`` with per-request alignment, else `origins`."""
+    return list(range(cfg.hop)) if cfg.align != "none" else list(origins)
+
+
 def forever_raw(cfg, origins: Sequence[int]) -> int:
     """Leading positions kept raw for the whole request: the sinks, and the
     positions before a head's grid origin."""

@@ -75,7 +75,9 @@ def raw_window(cfg: ChunkedKVConfig) -> int:
 
 def model_forever_raw(cfg: ChunkedKVConfig, num_kv_heads_total: int) -> int:
     """`grid.forever_raw` over every KV head of every layer (what one raw-page spec,
-    shared by all layers, must keep)."""
+    shared by all layers, must keep), whatever a request's grid shift."""
     if isinstance(cfg.stagger, list):
-        return grid.forever_raw(cfg, [o for heads in cfg.stagger for o in heads])
-    return grid.forever_raw(cfg, cfg.origins(0, num_kv_heads_total))
+        origins = [o for heads in cfg.stagger for o in heads]
+    else:
+        origins = cfg.origins(0, num_kv_heads_total)
+    return grid.forever_raw(cfg, grid.possible_origins(cfg, origins))

@@ -22,7 +22,12 @@ tiny Llama, greedy):
   which hits nothing;
 - under a KV budget that other prompts overflow between two sends of the
   same prompt, the hit shrinks (pages were evicted) and the tokens stay
-  those of a fresh computation: no stale raw row is served.
+  those of a fresh computation: no stale raw row is served;
+- with per-request grid alignment (`align: prompt_end`), a request hits
+  only pages of requests whose prompt length has the same remainder mod
+  hop (same grid): sharing 400 tokens with a 600-token prompt, a 403-token
+  prompt hits nothing and a 404-token one hits as above, and the tokens
+  equal those of an engine without prefix caching.
 """
 
 from __future__ import annotations
@@ -104,3 +109,16 @@ def test_eviction_never_serves_stale_rows(tiny_llama, name):
     fresh = run(tiny_llama, _engine(CONFIGS[name], enable_prefix_caching=False), [[PROMPT]], max_tokens=6)
     assert cached["cached"][-1][0] < 600 - WINDOW - CHUNK - cached["alignment_tokens"]  # evicted, at least in part
     assert cached["outputs"][-1] == cached["outputs"][0] == fresh["outputs"][0]
+
+
+def test_align_hits_only_within_a_grid(tiny_llama):
+    shared = PROMPT[:400]
+    rounds = [[PROMPT], [shared + [5, 6, 7]], [shared + [5, 6, 7, 8]], [PROMPT]]  # shifts 0, 3, 0, 0
+    settings = {"mitigation": "stagger", "sink_tokens": 4, "align": "prompt_end"}
+    cached = run(tiny_llama, _engine(settings), rounds, max_tokens=6)
+    fresh = run(tiny_llama, _engine(settings, enable_prefix_caching=False), rounds, max_tokens=6)
+    hits = [c[0] for c in cached["cached"]]
+    floor = WINDOW + CHUNK + cached["alignment_tokens"]
+    assert hits[0] == 0 and hits[1] == 0, hits  # another grid: nothing shared
+    assert 400 - floor <= hits[2] < 400 and 600 - floor <= hits[3] < 600, hits
+    assert cached["outputs"] == fresh["outputs"]

@@ -30,7 +30,7 @@ from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
 
 # Settings every implementation is checked under: each mitigation and
-# pooling mode, sinks, staggered grids, chunk 1.
+# pooling mode, sinks, staggered grids, chunk 1, per-request grid alignment.
 CONFIGS = {
     "none": dict(mitigation="none", chunk_size=4, window=6),
     "none-sinks": dict(mitigation="none", chunk_size=4, window=5, sink_tokens=6),
@@ -43,6 +43,7 @@ CONFIGS = {
     "stagger-heads": dict(mitigation="stagger", chunk_size=4, window=5, sink_tokens=1),
     "stagger-list": dict(mitigation="none", chunk_size=4, hop=2, window=4, stagger=[[1, 0]]),
     "hop1": dict(mitigation="none", chunk_size=1, window=1),
+    "align-stagger": dict(mitigation="stagger", chunk_size=4, window=5, sink_tokens=1, align="prompt_end"),
 }
 
 
@@ -60,7 +61,8 @@ class Pager:
         self.cfg, self.origins, self.block_size, self.cache_all = cfg, origins, block_size, cache_all
         self.per_block = layout.states_per_block(cfg, block_size)
         self.raw_block_size = self.per_block  # equal pages, as the backend declares them
-        self.keep = grid.forever_raw(cfg, origins)
+        self.keep = grid.forever_raw(cfg, grid.possible_origins(cfg, origins))
+        self.grid_shifts = [0] * num_reqs  # each request's grid shift (`align`)
         self.device = device
         self.comp = torch.zeros((64 * num_reqs, num_kv_heads, self.per_block, row), dtype=dtype, device=device)
         self.raw = torch.full((256 * num_reqs, num_kv_heads, self.raw_block_size, row), float("nan"), dtype=dtype,
@@ -101,6 +103,7 @@ class Pager:
             block_size=self.block_size,
             raw_block_table=torch.tensor([pad(self.tables[r][1]) for r, _, _ in steps], device=self.device),
             raw_block_size=self.raw_block_size,
+            grid_shifts=[self.grid_shifts[r] for r, _, _ in steps],
         )
 
     def check_pages_complete(self, r: int, start: int, end: int) -> None:
@@ -140,11 +143,15 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     block_size = cfg.hop * rng.choice([2, 4, 16])  # raw pages shorter and longer than the window
     pager = Pager(cfg, origins, block_size, len(lengths), num_kv_heads=num_kv_heads, row=head_size + head_size_v,
                   dtype=dtype, device=device, cache_all=cache_all)
+    # With `align`, request r's prompt is its first prompt_lens[r] positions (the rest decodes).
+    prompt_lens = [random.Random(seed + r).randint(1, n) for r, n in enumerate(lengths)]
+    pager.grid_shifts = [cfg.grid_shift(p) for p in prompt_lens]
+    req_origins = [[grid.shifted(cfg, o, shift) for o in origins] for shift in pager.grid_shifts]
     q = [torch.randn(n, num_kv_heads * group, head_size, generator=gen).to(dtype) for n in lengths]
     k = [(torch.randn(n, num_kv_heads, head_size, generator=gen) * 2).to(dtype) for n in lengths]
     v = [torch.randn(n, num_kv_heads, head_size_v, generator=gen).to(dtype) for n in lengths]
-    want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5, origins=origins)
-            for r in range(len(lengths))]
+    want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5,
+                                        origins=req_origins[r]) for r in range(len(lengths))]
     done, num_steps = [0] * len(lengths), 0
     while any(d < n for d, n in zip(done, lengths)):
         steps = []
@@ -160,7 +167,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
         batch = pager.batch(steps)
         if decode_plan and all(hi - lo == 1 for _, lo, hi in steps):
             plan = build_decode_plan(torch.tensor(batch.seq_lens, device=device), batch.block_table, batch.block_size,
-                                     batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=ops.needs_bias)
+                                     batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=ops.needs_bias,
+                                     grid_shifts=torch.tensor(batch.grid_shifts, device=device))
         else:
             plan = build_plan(batch, cfg, origins, bias=ops.needs_bias)
         cat = lambda xs: torch.cat([xs[r][lo:hi] for r, lo, hi in steps]).to(device)  # noqa: E731

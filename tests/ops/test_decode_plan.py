@@ -51,7 +51,7 @@ def _per_request(keys) -> list[tuple]:
         blocks, offsets = keys.slot_tables()
         out.append((keys.raw_positions[r, :n].tolist(), keys.raw_blocks[r, :n].tolist(),
                     keys.raw_offsets[r, :n].tolist(), s, blocks[r, :s].tolist(),
-                    offsets[r, :s].tolist(), keys.query_positions[r].tolist()))
+                    offsets[r, :s].tolist(), keys.query_positions[r].tolist(), keys.origins[r].tolist()))
     return out
 
 
@@ -63,6 +63,7 @@ def test_equals_the_python_plan(name, bias):
     rng = random.Random(len(name))
     lengths = [rng.randint(1, 6 * cfg.window + 20) for _ in range(4)]
     pager = Pager(cfg, origins, cfg.hop * rng.choice([2, 4]), len(lengths), num_kv_heads=2, row=4)
+    pager.grid_shifts = [cfg.grid_shift(rng.randint(1, n)) for n in lengths]  # all 0 unless `align`
     checked = 0
     for step in range(max(lengths)):
         steps = [(r, step, step + 1) for r in range(len(lengths)) if step < lengths[r]]
@@ -71,7 +72,8 @@ def test_equals_the_python_plan(name, bias):
         batch = pager.batch(steps)
         want = build_plan(batch, cfg, origins)
         got = build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table, batch.block_size,
-                                batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=bias)
+                                batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=bias,
+                                grid_shifts=torch.tensor(batch.grid_shifts))
         if not bias:  # the kernels' form: the block table itself, no per-slot entries
             assert got.key_sets[0].comp_blocks is batch.block_table and got.key_sets[0].comp_offsets is None
             assert got.key_sets[0].comp_rows_per_page == layout.states_per_block(cfg, batch.block_size)

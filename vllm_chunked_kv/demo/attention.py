@@ -16,7 +16,9 @@ row is the gain-weighted sum of its chunk; raw rows stay unscaled. This
 equals the reference's gated pooling with those weights as `slot_gains`.
 
 Sequences must be unpadded and start at position 0 (true for the demo's
-training batches and its equal-length evaluation batches).
+training batches and its equal-length evaluation batches). With per-request
+grid alignment (`align`), `grid_shifts` gives each batch row's shift
+(`ChunkedKVConfig.grid_shift` of its prompt length).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from collections.abc import Iterator
 
 import torch
 
+from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.masked import extended_kv
 
 ATTN_NAME = "chunked_kv"
 _CONFIG_ATTR = "chunked_kv_config"
 _GAINS_ATTR = "chunked_kv_gains"  # a 1-tuple holding the gain logits (a tuple, so nn.Module does not adopt them)
+_SHIFTS_ATTR = "chunked_kv_grid_shifts"  # per batch row grid shift, or None
 
 
 def chunked_attention_forward(
@@ -49,7 +53,11 @@ def chunked_attention_forward(
     batch, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    origins = cfg.origins(module.layer_idx, num_kv_heads) * batch  # one per folded (batch, head)
+    shifts = getattr(module, _SHIFTS_ATTR, None) or [0] * batch
+    if len(shifts) != batch:
+        raise ValueError(f"grid_shifts has {len(shifts)} entries for a batch of {batch}")
+    heads = cfg.origins(module.layer_idx, num_kv_heads)
+    origins = [grid.shifted(cfg, o, shift) for shift in shifts for o in heads]  # one per folded (batch, head)
     folded_k = key.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, head_dim)  # [T, b*Hkv, D]
     folded_v = value.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, -1)  # [T, b*Hkv, Dv]
     ext = extended_kv(folded_k, folded_v, cfg, origins)
@@ -89,10 +97,12 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None) -> Iterator[None]:
+def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None,
+                      grid_shifts: list[int] | None = None) -> Iterator[None]:
     """Run `model` (a transformers Llama) with chunked attention `cfg` inside
     the block; None means full attention (eager). `gains`: learned per-slot
-    gain logits (see the module docstring)."""
+    gain logits; `grid_shifts`: each batch row's grid shift (see the module
+    docstring)."""
     previous = model.config._attn_implementation
     if cfg is None:
         model.set_attn_implementation("eager")
@@ -101,6 +111,7 @@ def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | 
         for layer in model.model.layers:
             setattr(layer.self_attn, _CONFIG_ATTR, cfg)
             setattr(layer.self_attn, _GAINS_ATTR, (gains,))
+            setattr(layer.self_attn, _SHIFTS_ATTR, grid_shifts)
         model.set_attn_implementation(ATTN_NAME)
     try:
         yield

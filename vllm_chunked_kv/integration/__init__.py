@@ -7,3 +7,9 @@ Importing this package imports nothing from vLLM.
 
 BACKEND_NAME = "CHUNKED_KV"
 BACKEND_PATH = "vllm_chunked_kv.backend.ChunkedKVBackend"
+
+
+def selected(vllm_config) -> bool:
+    """Whether `vllm_config` asks for the CHUNKED_KV attention backend."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return getattr(backend, "name", None) == BACKEND_NAME

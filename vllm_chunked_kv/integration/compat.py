@@ -19,6 +19,8 @@ this one file, and the list below says what to re-check
 | `SlidingWindowManager._contiguous_blocks_for_hit` | raw_window | how many cached pages a hit needs before its end |
 | `KVCacheManager.allocate_slots` (wrapped) | raw_window | managers see request ids only; the raw pages must know the shared-prefix junction when a step is allocated |
 | `KVCacheManager.coordinator.single_type_managers`, `Request.shared_prefix_boundary` | raw_window | the same: where the junction is and whom to tell |
+| `GPUModelRunner.__init__` (wrapped), `InputBatch.num_prompt_tokens_cpu_tensor` | alignment | `align` needs prompt lengths in the metadata builder |
+| `EngineCore.preprocess_add_request` (wrapped), `EngineCoreRequest.cache_salt` | alignment | `align`: a prefix-cache salt per grid shift |
 """
 
 from __future__ import annotations

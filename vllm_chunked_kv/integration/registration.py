@@ -1,6 +1,6 @@
 """Make `--attention-backend chunked_kv` select our backend, on CUDA and CPU.
 
-Four things, all idempotent:
+Five things, all idempotent:
 
 1. add `CHUNKED_KV` to vLLM's `AttentionBackendEnum` (vLLM's registry);
 2. make that dynamically added member picklable: the engine process is
@@ -10,7 +10,9 @@ Four things, all idempotent:
    config, so a bad value stops startup with one line (`startup_checks`);
 4. on the CPU platform, whose `get_attn_backend_cls` ignores every selection
    but CPU_ATTN, route an explicit CHUNKED_KV selection to our class. The
-   default selection (nothing asked) stays CPU_ATTN.
+   default selection (nothing asked) stays CPU_ATTN;
+5. let per-request grid alignment reach prompt lengths and salt the
+   prefix cache per grid (`alignment`).
 
 The patches go through `compat`, which also warns once when the installed
 vLLM is not the release this package was tested with.
@@ -18,7 +20,7 @@ vLLM is not the release this package was tested with.
 
 from __future__ import annotations
 
-from vllm_chunked_kv.integration import BACKEND_NAME, BACKEND_PATH, compat
+from vllm_chunked_kv.integration import BACKEND_NAME, BACKEND_PATH, alignment, compat, selected
 
 
 def _lookup_member(name: str):
@@ -38,6 +40,7 @@ def register_backend() -> None:
     compat.make_enum_member_picklable(AttentionBackendEnum[BACKEND_NAME], _lookup_member)
     _route_cpu_selection()
     _validate_config_at_startup()
+    alignment.install()
     from vllm_chunked_kv.integration.startup_checks import install_excepthook
 
     install_excepthook()
@@ -66,11 +69,6 @@ def _route_cpu_selection() -> None:
     compat.patch_classmethod(CpuPlatform, "get_attn_backend_cls", make)
 
 
-def _selected(vllm_config) -> bool:
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return getattr(backend, "name", None) == BACKEND_NAME
-
-
 def _log_defaults_once(vllm_config, cfg) -> None:
     """Say which settings run when chunked_kv is selected with no "chunked_kv" section at all."""
     import json
@@ -94,7 +92,7 @@ def _validate_config_at_startup() -> None:
     def make(original):
         def check_and_update_config(cls, vllm_config) -> None:
             original(cls, vllm_config)
-            if _selected(vllm_config):
+            if selected(vllm_config):
                 from vllm_chunked_kv.config import ChunkedKVConfig
                 from vllm_chunked_kv.integration.startup_checks import check_engine_support
 

@@ -135,8 +135,8 @@ def kernel_args(plan: StepPlan, scale: float, *, page_tables: bool = False) -> t
     blocks, offsets, positions and counts, compressed blocks, offsets and
     counts), with `page_tables` (the C++ CPU kernel) followed by
     ``comp_rows_per_page`` and the slots in the key set's own form (an empty
-    offsets tensor with page tables), else one entry per slot; then the
-    origins, scale and grid constants shared by all."""
+    offsets tensor with page tables), else one entry per slot, and last its
+    grid origins ``[b, Hkv]``; then the scale and grid constants shared by all."""
     key_args = []
     for keys in plan.key_sets:
         blocks, offsets = (keys.comp_blocks, keys.comp_offsets) if page_tables else keys.slot_tables()
@@ -145,7 +145,8 @@ def kernel_args(plan: StepPlan, scale: float, *, page_tables: bool = False) -> t
         args = tuple(t.contiguous() for t in (keys.query_index, keys.query_positions, keys.raw_blocks,
                                               keys.raw_offsets, keys.raw_positions, keys.num_raw, blocks,
                                               offsets, keys.num_slots))
-        key_args.append(args + (keys.comp_rows_per_page,) if page_tables else args)
+        origins = keys.origins.to(dtype=torch.long).contiguous()
+        key_args.append(args + (keys.comp_rows_per_page, origins) if page_tables else args + (origins,))
     cfg = plan.cfg
     shared = (float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, cfg.chunk_size, cfg.hop,
               grid.slots_per_group(cfg))

@@ -179,11 +179,10 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
     q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
-    origins, key_args, shared = derived(plan, ("cpp", scale), lambda: (
-        plan.origins.to(dtype=torch.long).contiguous(), *compressed.kernel_args(plan, scale, page_tables=True)))
+    key_args, shared = derived(plan, ("cpp", scale), lambda: compressed.kernel_args(plan, scale, page_tables=True))
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      *args, origins, *shared, tile, splits)
+                      *args, *shared, tile, splits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

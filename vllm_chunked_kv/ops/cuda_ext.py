@@ -200,10 +200,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=query.device)
-    origins = plan.origins.to(device=query.device, dtype=torch.long).contiguous()
     key_args, shared = compressed.kernel_args(plan, scale)
     for (_, tile), args in zip(tiles, key_args):
-        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, origins, *shared,
+        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *shared,
                       tile, splits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)

@@ -35,24 +35,30 @@ from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPl
 
 def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
                       raw_block_table: torch.Tensor, raw_block_size: int, cfg: ChunkedKVConfig,
-                      origins: list[int], *, bias: bool = True) -> StepPlan:
+                      origins: list[int], *, bias: bool = True, grid_shifts: torch.Tensor | None = None) -> StepPlan:
     """The plan of a step in which request ``r`` computes the one token at
     position ``seq_lens[r] - 1`` (token index ``r``). seq_lens ``[b]``,
-    block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, all on the
-    device. Padding requests (seq_len 0) read and write nothing."""
-    o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
+    block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, and
+    grid_shifts ``[b]`` (each request's `align` shift; None: all 0), all on
+    the device. Padding requests (seq_len 0) read and write nothing."""
+    head_o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
     t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
+    if grid_shifts is None:
+        o = head_o[None, :].expand(t.shape[0], -1)  # [b, Hkv]
+    else:
+        o = grid.shifted(cfg, head_o[None, :], grid_shifts.long()[:, None])  # [b, Hkv]
+    host_origins = grid.possible_origins(cfg, origins)  # every origin a request may have (host ints)
     per_block = layout.states_per_block(cfg, block_size)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
-    return StepPlan(cfg=cfg, origins=o, raw_writes=_arange(t.shape[0], seq_lens.device),
-                    writes=_chunk_writes(cfg, o, origins, t, *tables),
-                    key_sets=[_key_set(cfg, o, origins, t, *tables, bias)])
+    return StepPlan(cfg=cfg, origins=head_o, raw_writes=_arange(t.shape[0], seq_lens.device),
+                    writes=_chunk_writes(cfg, o, host_origins, t, *tables),
+                    key_sets=[_key_set(cfg, o, host_origins, t, *tables, bias)])
 
 
 def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch.Tensor,
                   block_table: torch.Tensor, per_block: int, raw_block_table: torch.Tensor,
                   raw_block_size: int) -> ChunkWrites:
-    b, hkv, spg = t.shape[0], o.shape[0], grid.slots_per_group(cfg)
+    b, hkv, spg = t.shape[0], o.shape[1], grid.slots_per_group(cfg)
     p = t[:, None].expand(b, hkv)  # [b, Hkv] the step's one position
     rel = p - grid.chunk_last(cfg, 0, o)  # [b, Hkv] = k * hop when the token ends chunk k
     done = (rel >= 0) & (rel % cfg.hop == 0)  # [b, Hkv] a chunk completes
@@ -69,7 +75,7 @@ def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: 
     # Slots below a head's first group are zeroed when its chunk 0 completes.
     width = max((grid.first_group(cfg, x) * spg for x in origins), default=0)  # from the host's origins
     zs = _arange(width, t.device)  # [Z0]
-    zero = (done & (k == 0))[..., None] & (zs < grid.first_group(cfg, o)[:, None] * spg)  # [b, Hkv, Z0]
+    zero = (done & (k == 0))[..., None] & (zs < grid.first_group(cfg, o)[..., None] * spg)  # [b, Hkv, Z0]
     zero_blocks = torch.where(zero, block_table[req[..., None], (zs // per_block).clamp(max=last_page)],
                               NULL_PAGE)  # [b, Hkv, Z0]
     heads = _arange(hkv, t.device)
@@ -92,17 +98,17 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
     b = t.shape[0]
     req = _arange(b, t.device)[:, None]  # [b, 1]
     first = t.clamp(min=0)  # [b] the stored rows lie before the token
-    keep = grid.forever_raw(cfg, origins)  # kept leading rows (host int)
-    window_from = grid.raw_from(cfg, first[:, None], o[None, :]).amin(dim=1)  # [b] over the heads' grids
-    leading = first.clamp(max=keep)  # [b]
-    start = torch.minimum(window_from.clamp(min=keep), first)  # [b] first stored row of the raw region
+    keep = o.amax(dim=1).clamp(min=cfg.sink_tokens)  # [b] kept leading rows (`grid.forever_raw`)
+    window_from = grid.raw_from(cfg, first[:, None], o).amin(dim=1)  # [b] over the heads' grids
+    leading = torch.minimum(first, keep)  # [b]
+    start = torch.minimum(torch.maximum(window_from, keep), first)  # [b] first stored row of the raw region
     num_raw = leading + (first - start)  # [b]
-    i = _arange(keep + layout.raw_window(cfg), t.device)[None, :]  # [1, Nr] a bound on num_raw
+    i = _arange(grid.forever_raw(cfg, origins) + layout.raw_window(cfg), t.device)[None, :]  # [1, Nr] bounds num_raw
     raw_t = torch.where(i < leading[:, None], i, start[:, None] + i - leading[:, None])  # [b, Nr]
     raw_valid = i < num_raw[:, None]  # [b, Nr] valid rows first, padding after
     raw_t = torch.where(raw_valid, raw_t, 0)
     to = t[:, None]  # [b, 1]
-    visible = torch.where(grid.num_sealed(cfg, to, o[None, :]) > 0, grid.visible_slots(cfg, to, o[None, :]), 0)
+    visible = torch.where(grid.num_sealed(cfg, to, o) > 0, grid.visible_slots(cfg, to, o), 0)  # [b, Hkv]
     num_slots = visible.amax(dim=1)  # [b] slots that may be visible
     width = block_table.shape[1]
     positions = first[:, None]  # [b, 1]
@@ -125,6 +131,7 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         comp_blocks=comp_blocks,
         comp_offsets=comp_offsets,
         num_slots=num_slots,
+        origins=o,
         bias=bias,
         comp_rows_per_page=0 if with_bias else per_block,
     )

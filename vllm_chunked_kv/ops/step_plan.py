@@ -43,10 +43,17 @@ class PagedBatch:
     block_size: int  # tokens per compressed page
     raw_block_table: torch.Tensor  # [num_reqs, max_raw_blocks] raw pages
     raw_block_size: int  # tokens per raw page; entries NULL_PAGE were never stored
+    grid_shifts: list[int] | None = None  # [num_reqs] each request's grid shift (`align`); None: all 0
 
     def first_position(self, r: int) -> int:
         """Position of request r's first token in this step."""
         return self.seq_lens[r] - (self.query_start[r + 1] - self.query_start[r])
+
+    def request_origins(self, cfg: ChunkedKVConfig, origins: list[int]) -> list[list[int]]:
+        """Grid origin of each KV head of each request: `origins` shifted by the
+        request's grid shift (`grid.shifted`)."""
+        shifts = self.grid_shifts or [0] * len(self.seq_lens)
+        return [[grid.shifted(cfg, o, shift) for o in origins] for shift in shifts]
 
 
 @dataclass
@@ -90,6 +97,7 @@ class KeySet:
     comp_blocks: torch.Tensor  # [batch, Nc] compressed page of each slot (or [batch, pages], see above)
     comp_offsets: torch.Tensor | None  # [batch, Nc] (None with page tables)
     num_slots: torch.Tensor  # [batch] slots of the request that may be visible (the rest is padding)
+    origins: torch.Tensor  # [batch, Hkv] grid origin of each request's KV heads (shifted by `align`)
     bias: torch.Tensor | None  # [batch, Hkv, L, Nr + L + Nc], fp32: stored raw rows, step rows, slots
     comp_rows_per_page: int = 0  # > 0: comp_blocks are page tables of pages this many slots each
     _slot_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
@@ -115,7 +123,7 @@ class KeySet:
 @dataclass
 class StepPlan:
     cfg: ChunkedKVConfig
-    origins: torch.Tensor  # [Hkv] grid origin of each KV head
+    origins: torch.Tensor  # [Hkv] grid origin of each KV head before any request's shift (`KeySet.origins`)
     raw_writes: torch.Tensor  # [W] token indices whose raw rows are stored
     writes: ChunkWrites
     key_sets: list[KeySet]
@@ -132,16 +140,18 @@ def derived(holder: ChunkWrites | StepPlan, key, make):
 
 
 def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, bias: bool = True) -> StepPlan:
-    """The plan of one step for KV heads with grid `origins`; without `bias`,
-    the key sets carry no bias (kernels compute visibility themselves)."""
+    """The plan of one step for KV heads with grid `origins` (each request's
+    shifted by its `PagedBatch.grid_shifts`); without `bias`, the key sets
+    carry no bias (kernels compute visibility themselves)."""
     device = batch.block_table.device
     num_reqs = len(batch.seq_lens)
     q_lens = [batch.query_start[r + 1] - batch.query_start[r] for r in range(num_reqs)]
+    req_origins = batch.request_origins(cfg, origins)  # [num_reqs][Hkv]
     decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
-    key_sets = [_key_set(batch, cfg, origins, decodes, bias)] if decodes else []
-    key_sets += [_key_set(batch, cfg, origins, [r], bias) for r in range(num_reqs) if q_lens[r] > 1]
+    key_sets = [_key_set(batch, cfg, req_origins, decodes, bias)] if decodes else []
+    key_sets += [_key_set(batch, cfg, req_origins, [r], bias) for r in range(num_reqs) if q_lens[r] > 1]
     return StepPlan(cfg=cfg, origins=torch.tensor(origins, dtype=torch.long, device=device),
-                    raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, origins, q_lens, device),
+                    raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, req_origins, q_lens, device),
                     key_sets=key_sets)
 
 
@@ -163,7 +173,7 @@ def _raw_writes(batch: PagedBatch) -> torch.Tensor:
     return torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q_lens: list[int],
+def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, req_origins: list[list[int]], q_lens: list[int],
                   device) -> ChunkWrites:
     spg = grid.slots_per_group(cfg)
     per_block = layout.states_per_block(cfg, batch.block_size)
@@ -171,7 +181,7 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
     zero_reqs, zero_heads, zero_slots = [], [], []
     for r, seq_len in enumerate(batch.seq_lens):
         start = seq_len - q_lens[r]
-        for h, origin in enumerate(origins):
+        for h, origin in enumerate(req_origins[r]):
             chunks = grid.completed_chunks(cfg, start, seq_len, origin)
             if not chunks:
                 continue
@@ -188,7 +198,7 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
     k = torch.tensor(firsts, **long)[run] + torch.arange(len(run), **long) - run_start[run]  # [M] chunk index
     req = torch.tensor(reqs, **long)[run]  # [M]
     head = torch.tensor(heads, **long)[run]  # [M]
-    origin = torch.tensor(origins, **long)[head]  # [M]
+    origin = torch.tensor(req_origins, **long).view(len(req_origins), -1)[req, head]  # [M]
     positions = grid.chunk_start(cfg, k, origin)[:, None] + torch.arange(cfg.chunk_size, **long)  # [M, chunk_size]
     src_blocks = batch.raw_block_table[req[:, None], positions // batch.raw_block_size]  # [M, chunk_size]
     firsts_t = torch.tensor([batch.first_position(r) for r in range(len(batch.seq_lens))], **long)  # [R]
@@ -216,14 +226,16 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], q
 # ----------------------------------------------------------------- key sets
 
 
-def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: list[int], with_bias: bool) -> KeySet:
+def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, req_origins: list[list[int]], reqs: list[int],
+             with_bias: bool) -> KeySet:
     """Gather indices and bias for the queries of `reqs` (all decodes, or one
     request), padded to the longest request."""
     device = batch.block_table.device
     long = dict(dtype=torch.long, device=device)
-    keep = grid.forever_raw(cfg, origins)
     raw_pos, num_slots, queries = [], [], []
     for r in reqs:
+        origins = req_origins[r]
+        keep = grid.forever_raw(cfg, origins)
         seq_len, first = batch.seq_lens[r], batch.first_position(r)
         window_from = min(grid.raw_from(cfg, first, o) for o in origins)
         # Stored raw rows: kept leading rows and the raw region before the step.
@@ -245,7 +257,8 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
     t = torch.tensor(queries, **long)  # [b, L]: one query each, or one request's queries
     q_index = t - t[:, :1] + torch.tensor([batch.query_start[r] for r in reqs], **long)[:, None]  # [b, L]
     per_block = layout.states_per_block(cfg, batch.block_size)
-    bias = visibility_bias(cfg, torch.tensor(origins, **long), t, raw_t, ~raw_padding, slot_t, slot_valid) if with_bias else None
+    origins_t = torch.tensor([req_origins[r] for r in reqs], **long).view(len(reqs), -1)  # [b, Hkv]
+    bias = visibility_bias(cfg, origins_t, t, raw_t, ~raw_padding, slot_t, slot_valid) if with_bias else None
     return KeySet(
         query_index=q_index,
         query_positions=t,
@@ -256,6 +269,7 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
         comp_blocks=batch.block_table[req_t, slot_t // per_block].long(),
         comp_offsets=slot_t % per_block,
         num_slots=torch.tensor(num_slots, **long),
+        origins=origins_t,
         bias=bias,
     )
 
@@ -263,10 +277,11 @@ def _key_set(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], reqs: 
 def visibility_bias(cfg: ChunkedKVConfig, origins: torch.Tensor, t: torch.Tensor, raw_pos: torch.Tensor,
           raw_valid: torch.Tensor, slots: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
     """Additive mask ``[b, Hkv, L, Nr + L + Nc]`` for queries at positions ``t
-    [b, L]`` over stored raw rows at ``raw_pos [b, Nr]``, the queries' own
-    rows, and compressed ``slots [b, Nc]``."""
+    [b, L]`` of requests whose KV heads have grid ``origins [b, Hkv]``, over
+    stored raw rows at ``raw_pos [b, Nr]``, the queries' own rows, and
+    compressed ``slots [b, Nc]``."""
     q = t[:, None, :, None]  # [b, 1, L, 1]
-    o = origins[None, :, None, None]  # [1, Hkv, 1, 1]
+    o = origins[:, :, None, None]  # [b, Hkv, 1, 1]
     j = torch.cat([raw_pos, t], dim=1)[:, None, None, :]  # [b, 1, 1, Nr + L] stored rows, then the step's
     valid = torch.cat([raw_valid, torch.ones_like(t, dtype=torch.bool)], dim=1)[:, None, None, :]
     raw_vis = ((j < cfg.sink_tokens) | (j < o) | (j >= grid.raw_from(cfg, q, o))) & (j <= q) & valid  # [b, Hkv, L, Nr + L]

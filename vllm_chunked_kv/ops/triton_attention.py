@@ -136,7 +136,7 @@ def _chunked_kv_attention_kernel(
     q_index_ptr, q_pos_ptr,  # [b, L] contiguous
     raw_blocks_ptr, raw_offsets_ptr, raw_pos_ptr,  # [b, Nr] contiguous
     comp_blocks_ptr, comp_offsets_ptr,  # [b, Nc] contiguous
-    num_raw_ptr, num_slots_ptr, origins_ptr,  # [b], [b], [Hkv]
+    num_raw_ptr, num_slots_ptr, origins_ptr,  # [b], [b], [b, Hkv]
     scale, log_weight, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
     stride_qt, stride_qh, stride_st, stride_sh, stride_rb, stride_rh, stride_rs,
     stride_cb, stride_ch, stride_cs, stride_ot, stride_oh,
@@ -153,7 +153,7 @@ def _chunked_kv_attention_kernel(
     p0 = tl.load(q_pos_ptr + q_row)  # position of the row's first query (positions are consecutive)
     t_lo = p0 + first
     t_hi = t_lo + count - 1
-    origin = tl.load(origins_ptr + head)
+    origin = tl.load(origins_ptr + row * tl.num_programs(1) + head)  # the request's grid on this KV head
     first_group = (origin + CHUNK_SIZE - 1) // HOP
     prefix_end = tl.maximum(sink_tokens, origin)  # forever raw: sinks, positions before the origin
     head64 = head.to(tl.int64)
@@ -302,9 +302,8 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=device)
-    origins = plan.origins.to(device=device, dtype=torch.int32).contiguous()
     for keys, tile_m in tiles:
-        _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys, origins, plan, scale,
+        _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys, plan, scale,
                 launch_constants(plan, num_heads=num_heads, num_kv_heads=num_kv_heads, head_d=head_d,
                                  head_dv=head_dv, tile_m=tile_m, splits=splits, on_gpu=device.type != "cpu"))
     if splits > 1:
@@ -312,7 +311,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     return out
 
 
-def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys: KeySet, origins, plan: StepPlan,
+def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys: KeySet, plan: StepPlan,
             scale: float, consts: dict) -> None:
     """One kernel launch over the queries of one key set."""
     num_rows, num_q = keys.query_index.shape
@@ -325,7 +324,7 @@ def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, key
         c(keys.query_index), c(keys.query_positions),
         c(keys.raw_blocks), c(keys.raw_offsets), c(keys.raw_positions),
         c(comp_blocks), c(comp_offsets),
-        c(keys.num_raw), c(keys.num_slots), origins,
+        c(keys.num_raw), c(keys.num_slots), keys.origins.to(dtype=torch.int32).contiguous(),
         float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
         comp_blocks.shape[1], query.shape[0], tiles_per_row,
         query.stride(0), query.stride(1), step_rows.stride(0), step_rows.stride(1),
