@@ -8,7 +8,8 @@ once, times ``max_model_len``). The theoretical ratio is what the memory of
 one ``max_model_len`` request needs: ``max_model_len`` raw rows with the
 default backend; ``max_model_len / tokens_per_state`` compressed rows plus the
 raw window (``window + chunk_size - 1`` rows) plus the rows kept raw forever
-(sinks, positions before staggered grid origins) with CHUNKED_KV. Each
+(sinks, positions before staggered or per-request aligned grid origins)
+with CHUNKED_KV. Each
 mitigation is measured with prefix caching off and on (vLLM's default): with
 it on, a step also keeps the raw rows later prefix hits need (one hit
 alignment of rows and one shared-prefix junction's tail per step with the
@@ -43,6 +44,7 @@ def mitigations(chunk_size: int, window: int) -> dict[str, dict]:
         "overlap": dict(mitigation="overlap", chunk_size=chunk_size, window=window),
         "stride2": dict(mitigation="stride2", window=window),
         "stagger": dict(mitigation="stagger", chunk_size=chunk_size, window=window),
+        "none aligned": dict(mitigation="none", chunk_size=chunk_size, window=window, align="prompt_end"),
     }
 
 
@@ -99,9 +101,9 @@ def main() -> None:
     print(f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} max_model_len={args.max_model_len} "
           f"max_num_batched_tokens={args.max_num_batched_tokens} block_size={args.block_size} retention={args.retention} "
           f"chunk_size={args.chunk_size} window={args.window}")
-    print(f"{'backend':<10} {'prefix cache':>12} {'KV tokens':>12} {'ratio':>7} {'theory':>7} {'of theory':>9}")
+    print(f"{'backend':<12} {'prefix cache':>12} {'KV tokens':>12} {'ratio':>7} {'theory':>7} {'of theory':>9}")
     for row in rows:
-        print(f"{row['backend']:<10} {row['prefix_caching']:>12} {row['tokens']:>12,} {row['ratio']:>7.3f} "
+        print(f"{row['backend']:<12} {row['prefix_caching']:>12} {row['tokens']:>12,} {row['ratio']:>7.3f} "
               f"{row['theoretical']:>7.3f} {row['fraction']:>9.3f}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))

@@ -32,6 +32,7 @@ OFFSETS = 8  # the period search looks at position mod 8 (periods 2..4 repeat at
 MODES: dict[str, dict | None] = {
     "default backend": None,
     **MITIGATION_MODES,
+    "none aligned": {"mitigation": "none", "align": "prompt_end"},  # per-request grid alignment, none's memory
     "stagger fine-tuned": {"mitigation": "stagger"},
 }
 # Modes served from another model directory: mode -> the argument naming it.
