@@ -11,7 +11,11 @@
 - slot ``s`` has kind ``s % slots_per_group`` (`SlotKind`) and holds chunk
   ``s // slots_per_group - first_group``; `visible_slots` covers exactly the
   groups of the sealed chunks; `tokens_per_state` is hop / slots per group;
-- `is_boundary` marks exactly the first and last tokens of sealed chunks.
+- `is_boundary` marks exactly the first and last tokens of sealed chunks;
+- with per-request alignment (`align: prompt_end`, `grid.shifted` by
+  `grid_shift`), what the last prompt token's query sees, counted back
+  from the prompt's end, is the same for every prompt length; without it,
+  it changes with the prompt length mod hop.
 """
 
 from __future__ import annotations
@@ -108,3 +112,31 @@ def test_boundaries(settings):
             ends = {p for k in range(sealed) for p in (grid.chunk_start(cfg, k, origin), grid.chunk_last(cfg, k, origin))}
             marked = {j for j in range(60) if grid.is_boundary(cfg, j, sealed, origin)}
             assert marked == ends
+
+
+def _seen_from_the_end(cfg: ChunkedKVConfig, prompt_len: int, origin: int) -> tuple:
+    """The query at the last prompt token, on a head with grid `origin`:
+    its raw positions and its sealed chunks' bounds, as distances back from
+    that token, over the last 3 windows (sinks and the first chunks differ
+    by construction)."""
+    from vllm_chunked_kv.ops.reference import chunk_bounds, visible_set
+
+    t = prompt_len - 1
+    raw, chunks = visible_set(t, cfg, origin)
+    near = 3 * (cfg.window + cfg.chunk_size)
+    bounds = [chunk_bounds(k, cfg, origin) for k in chunks]
+    return (tuple(t - j for j in raw if t - j < near),
+            tuple((t - start, t - end) for start, end in bounds if t - start < near))
+
+
+@pytest.mark.parametrize("settings", [dict(mitigation="none", chunk_size=4, window=6, sink_tokens=2),
+                                      dict(mitigation="overlap", chunk_size=4, window=5),
+                                      dict(mitigation="boundary", chunk_size=4, window=4),
+                                      dict(mitigation="stagger", chunk_size=4, window=7)])
+def test_align_makes_the_last_prompt_query_see_the_same_grid_at_every_length(settings):
+    aligned, fixed = ChunkedKVConfig(**settings, align="prompt_end"), ChunkedKVConfig(**settings)
+    lengths = range(60, 60 + 2 * aligned.hop + 3)
+    for origin in set(aligned.origins(0, 2)):
+        seen = {_seen_from_the_end(aligned, n, grid.shifted(aligned, origin, aligned.grid_shift(n))) for n in lengths}
+        assert len(seen) == 1
+        assert len({_seen_from_the_end(fixed, n, origin) for n in lengths}) == fixed.hop

@@ -1,8 +1,10 @@
 """The ground truth for every CHUNKED_KV kernel: docs/design.md §3-4 and §10, read literally.
 
 Positions count from 0 at the first prompt token. Each KV head has a grid
-origin ``o`` in ``[0, hop)`` (0 unless staggered); the grid itself (chunk
-bounds, the seal rule) is `grid.py`. For a query at position ``t`` on one
+origin ``o`` in ``[0, hop)`` (0 unless staggered; with per-request
+alignment, ``align``, the heads' origins shifted by the request's prompt
+length mod hop, `grid.shifted`); the grid itself (chunk bounds, the seal
+rule) is `grid.py`. For a query at position ``t`` on one
 KV head:
 
 - chunks ``0 .. K-1`` are sealed, ``K = grid.num_sealed(cfg, t, o)``;
