@@ -4,7 +4,8 @@
   device-side plan on, and the plan built from its metadata wait for
   nothing: no ``.cpu()``, ``.item()``, ``.tolist()`` or truth value of a
   device tensor (`SyncGuard` fails on each); a mixed batch still reads its
-  sequence lengths on the host and gets the Python plan. On CPU (no graphs)
+  sequence lengths on the host and gets the Python plan. With `align`, the
+  grid shifts come from the runner's prompt lengths (mod hop). On CPU (no graphs)
   the decode plan addresses only the pages the longest request has.
 - The builder declares CUDA-graph support for uniform single-token decode
   exactly when the device-side plan is on (by default: on CUDA devices);
@@ -26,11 +27,13 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from tests.ops.test_decode_plan import SyncGuard
 from vllm_chunked_kv.backend import ChunkedKVMetadataBuilder, decode_plan_on_device
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.integration import alignment
 
 
-def _builder(device_plan: bool) -> ChunkedKVMetadataBuilder:
+def _builder(device_plan: bool, cfg: ChunkedKVConfig | None = None) -> ChunkedKVMetadataBuilder:
     builder = ChunkedKVMetadataBuilder.__new__(ChunkedKVMetadataBuilder)  # no engine: only what build() reads
     builder.block_size, builder.device_decode_plan = 16, device_plan
+    builder.config, builder.shift_buffer, builder.vllm_config = cfg or ChunkedKVConfig(), None, object()
     return builder
 
 
@@ -45,9 +48,21 @@ def _common(seq_lens: list[int], query_lens: list[int]):
     )
 
 
-def test_uniform_decode_waits_for_nothing():
-    cfg = ChunkedKVConfig(mitigation="stagger", chunk_size=4, window=8, sink_tokens=2)
-    metadata = _builder(True).build(0, _common([40, 9, 77], [1, 1, 1]))
+class _Runner:  # the model runner `alignment` reads prompt lengths from
+    def __init__(self, prompt_lengths: list[int]) -> None:
+        self.input_batch = types.SimpleNamespace(num_prompt_tokens_cpu_tensor=torch.tensor(prompt_lengths))
+
+
+@pytest.mark.parametrize("align", ["none", "prompt_end"])
+def test_uniform_decode_waits_for_nothing(align, monkeypatch):
+    cfg = ChunkedKVConfig(mitigation="stagger", chunk_size=4, window=8, sink_tokens=2, align=align)
+    builder = _builder(True, cfg)
+    runner = _Runner([30, 7, 70])
+    monkeypatch.setitem(alignment._runners, id(builder.vllm_config), runner)
+    metadata = builder.build(0, _common([40, 9, 77], [1, 1, 1]))
+    assert (metadata.grid_shifts is None) == (align == "none")
+    if metadata.grid_shifts is not None:
+        assert metadata.grid_shifts.tolist() == [2, 3, 2]  # prompt length mod hop
     assert metadata.device_seq_lens is not None and metadata.seq_lens == []
     assert metadata.block_table.shape == (3, 5)  # on CPU, the pages of the longest request: 77 tokens / 16
     raw = types.SimpleNamespace(block_table=torch.arange(1, 25).view(3, 8).as_subclass(SyncGuard), block_size=16)

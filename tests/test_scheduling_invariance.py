@@ -7,7 +7,11 @@ the device (`ops/decode_plan.py`, the default with the C++ kernels) and in
 Python (`ops/step_plan.py`; the log must say which), for every mitigation and for configs
 that compress (prompts far longer than the window) and use both kinds of
 page sets: compressed pages written at chunk completion, and raw pages with
-kept leading rows (sinks, staggered grid origins).
+kept leading rows (sinks, staggered grid origins). The staggered config also
+aligns each request's grid to its prompt end (`align`): the shift comes from
+the prompt length alone, so preemption and recomputation must not move it,
+and round 2's extended prompts (other lengths) must not hit round 1's pages
+of another grid.
 
 Round 2 repeats or extends the round-1 prompts, so with caching on it starts
 from prefix-cache hits of both page sets (32-token pages: hits land every
@@ -33,7 +37,7 @@ CONFIGS = {
     "boundary-sinks": dict(mitigation="boundary", window=16, sink_tokens=5),
     "stride2": dict(mitigation="stride2", window=12, sink_tokens=2),
     "overlap-key_norm": dict(mitigation="overlap", window=12, pooling="key_norm"),
-    "stagger": dict(mitigation="stagger", window=16, sink_tokens=1),
+    "stagger-align": dict(mitigation="stagger", window=16, sink_tokens=1, align="prompt_end"),
 }
 SCHEDULES = {
     "cached, 32-token steps, 8 at a time": dict(enable_prefix_caching=True, max_num_batched_tokens=32),
