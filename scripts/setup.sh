@@ -62,13 +62,10 @@ case "$mode" in
     demo) step "running: vllm-chunked-kv demo $*"; exec "$VENV/bin/vllm-chunked-kv" demo "$@" ;;
     # Two pytest-xdist workers, one test file each at a time (module fixtures
     # are built once): most tests wait on one engine process, so two keep both
-    # cores busy. Files go out in collection order, which tests/conftest.py
-    # starts with the longest files (xdist's default reorders by test count,
-    # which sent a 30-minute file of 5 tests out last).
-    # CHUNKED_KV_TEST_WORKERS=0 runs everything in one process.
+    # cores busy. CHUNKED_KV_TEST_WORKERS=0 runs everything in one process.
     test) workers=${CHUNKED_KV_TEST_WORKERS:-2}
-          step "running: pytest -n $workers --dist loadfile --no-loadscope-reorder $*"
-          exec "$VENV/bin/python" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" ;;
+          step "running: pytest -n $workers --dist loadfile $*"
+          exec "$VENV/bin/python" -m pytest -n "$workers" --dist loadfile "$@" ;;
     install) step "done: source $VENV/bin/activate" ;;
     *) echo "usage: scripts/setup.sh demo|test|install [ARGS]" >&2; exit 2 ;;
 esac
