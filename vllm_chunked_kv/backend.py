@@ -196,7 +196,7 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
             block_table = block_table[:, : -(-m.max_seq_len // self.block_size)]
         shifts = None
         if self.config.align != "none":
-            shifts = alignment.prompt_lengths(self.vllm_config, m.num_reqs) % self.config.hop  # [num_reqs] host
+            shifts = self.config.grid_shift(alignment.prompt_lengths(self.vllm_config, m.num_reqs))  # [num_reqs] host
             if uniform_decode and self.shift_buffer is not None:
                 shifts = self.shift_buffer[: m.num_reqs].copy_(shifts, non_blocking=True)
         return ChunkedKVMetadata(

@@ -94,7 +94,7 @@ def _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, 
     from vllm_chunked_kv.ops.step_plan import StepPlan
 
     cfg = ChunkedKVConfig(**settings)
-    plan = StepPlan(cfg=cfg, origins=torch.zeros(8), raw_writes=None, writes=None, key_sets=[])
+    plan = StepPlan(cfg=cfg, raw_writes=None, writes=None, key_sets=[])
     constants = triton_attention.launch_constants(plan, num_heads=8 * group, num_kv_heads=8, head_d=head,
                                                   head_dv=head, tile_m=tile_m, splits=splits)
     pointers = {name: f"*{dtype}" for name in ("q_ptr", "step_ptr", "raw_ptr", "comp_ptr", "out_ptr")}

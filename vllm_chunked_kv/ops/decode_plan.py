@@ -50,7 +50,7 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     host_origins = grid.possible_origins(cfg, origins)  # every origin a request may have (host ints)
     per_block = layout.states_per_block(cfg, block_size)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
-    return StepPlan(cfg=cfg, origins=head_o, raw_writes=_arange(t.shape[0], seq_lens.device),
+    return StepPlan(cfg=cfg, raw_writes=_arange(t.shape[0], seq_lens.device),
                     writes=_chunk_writes(cfg, o, host_origins, t, *tables),
                     key_sets=[_key_set(cfg, o, host_origins, t, *tables, bias)])
 

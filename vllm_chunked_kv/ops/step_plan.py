@@ -123,7 +123,6 @@ class KeySet:
 @dataclass
 class StepPlan:
     cfg: ChunkedKVConfig
-    origins: torch.Tensor  # [Hkv] grid origin of each KV head before any request's shift (`KeySet.origins`)
     raw_writes: torch.Tensor  # [W] token indices whose raw rows are stored
     writes: ChunkWrites
     key_sets: list[KeySet]
@@ -150,8 +149,7 @@ def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, b
     decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
     key_sets = [_key_set(batch, cfg, req_origins, decodes, bias)] if decodes else []
     key_sets += [_key_set(batch, cfg, req_origins, [r], bias) for r in range(num_reqs) if q_lens[r] > 1]
-    return StepPlan(cfg=cfg, origins=torch.tensor(origins, dtype=torch.long, device=device),
-                    raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, req_origins, q_lens, device),
+    return StepPlan(cfg=cfg, raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, req_origins, q_lens, device),
                     key_sets=key_sets)
 
 
