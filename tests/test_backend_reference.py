@@ -1,6 +1,6 @@
 """CHUNKED_KV in vLLM computes docs/design.md §3-4 exactly: for every mitigation x
-pooling mode (and staggered grids, and per-request grid alignment, whose
-prompts cover every length mod hop), greedy tokens from `vllm` equal those of
+pooling mode (and staggered grids, per-request grid alignment, whose
+prompts cover every length mod hop, and dynamic boundaries), greedy tokens from `vllm` equal those of
 the same model run in transformers with the reference chunked attention, on
 20 prompts longer than window + 4 * chunk_size, generated under chunked
 prefill (32-token steps) with prefix caching on."""
@@ -39,6 +39,7 @@ CASES = {
     "stagger-key_norm": dict(mitigation="stagger", pooling="key_norm", sink_tokens=2),
     "no-proportional": dict(mitigation="none", proportional=False),
     "align-stagger": dict(mitigation="stagger", sink_tokens=1, align="prompt_end"),
+    "dynamic": dict(boundaries="dynamic", min_chunk=2, sink_tokens=1),
 }
 
 

@@ -97,6 +97,17 @@ def test_presets_fill_fields(settings, chunk_size, hop, keep_boundary, stagger):
         ({"stagger_groups": 4}, "stagger_groups"),
         ({"align": "prompt_start"}, "align"),
         ({"align": True}, "align"),
+        ({"boundaries": "sliding"}, "boundaries"),
+        ({"boundaries": "dynamic", "window": 16}, "min_chunk"),
+        ({"min_chunk": 2}, "min_chunk"),
+        ({"boundaries": "dynamic", "min_chunk": 1, "window": 16}, "min_chunk"),
+        ({"boundaries": "dynamic", "min_chunk": 3, "window": 16}, "min_chunk"),
+        ({"boundaries": "dynamic", "min_chunk": 4, "window": 16}, "min_chunk"),
+        ({"boundaries": "dynamic", "min_chunk": 2, "window": 15}, "window"),
+        ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "mitigation": "stagger"}, "mitigation"),
+        ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "align": "prompt_end"}, "align"),
+        ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "pooling": "key_norm"}, "pooling"),
+        ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "proportional": False}, "proportional"),
     ],
 )
 def test_bad_values_name_the_field_in_one_line(settings, field):
@@ -129,6 +140,15 @@ def test_grid_shift_is_the_prompt_length_mod_hop_with_align(align, hop, shifts):
     """A request's grid shift puts the prompt's last token at the end of a chunk."""
     cfg = ChunkedKVConfig(align=align, chunk_size=4, hop=hop)
     assert [cfg.grid_shift(n) for n in (5, 6, 7, 8, 9)] == shifts
+
+
+def test_dynamic_boundaries_store_the_grid_of_units():
+    """Pages, plans and kernels see a fixed grid of min_chunk-token units."""
+    cfg = ChunkedKVConfig(boundaries="dynamic", chunk_size=4, min_chunk=2, window=16, sink_tokens=3)
+    unit = cfg.storage_grid()
+    assert (unit.chunk_size, unit.hop, unit.window, unit.sink_tokens, unit.boundaries) == (2, 2, 16, 3, "fixed")
+    assert cfg.tokens_per_state == 2 and cfg.rows_per_chunk == 2
+    assert ChunkedKVConfig().storage_grid() == ChunkedKVConfig()
 
 
 def test_error_is_a_value_error_and_config_is_frozen():

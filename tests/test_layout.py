@@ -74,3 +74,37 @@ def test_model_forever_raw_covers_every_origin_a_request_may_take(settings, want
     """The raw pages keep the positions before any head's origin in any request:
     with `align`, every origin in [0, hop) is possible."""
     assert layout.model_forever_raw(ChunkedKVConfig(**settings), 2) == want
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32])
+def test_dynamic_unit_slots_lag_their_chunk_decision(block_size):
+    """Dynamic boundaries: unit m's slot page is complete only after m's chunk
+    is decided; the slot is written (at position m*u + lag) before the unit
+    seals, from rows the raw window still holds; too large a block for the
+    window is refused in one line naming the window."""
+    import torch
+
+    from vllm_chunked_kv import boundaries
+
+    cfg = ChunkedKVConfig(boundaries="dynamic", chunk_size=4, min_chunk=2, window=24)
+    if block_size > 16:
+        with pytest.raises(ValueError, match=r"^chunked_kv\.window: boundaries 'dynamic' with --block-size"):
+            layout.check_block_size(cfg, block_size)
+        return
+    layout.check_block_size(cfg, block_size)
+    unit, size = cfg.min_chunk, cfg.chunk_size
+    lag = layout.dynamic_lag_pages(cfg, block_size) * block_size
+    per_block = layout.states_per_block(cfg, block_size)
+    cuts = boundaries.chunk_cuts(cfg, torch.randn(400, 1, 8, generator=torch.Generator().manual_seed(0)))[:, 0]
+    first = 0
+    for frame, last in enumerate(cuts.tolist()):
+        decided_at = (frame + 1) * size  # the frame's next position
+        for m in range(first // unit, last // unit + 1):
+            write_at = m * unit + lag
+            page = m // per_block + lag // block_size
+            assert decided_at <= write_at and decided_at <= (page + 1) * block_size - 1
+            assert page * block_size <= write_at < (page + 1) * block_size  # written when its page is computed
+            assert write_at <= m * unit + unit - 1 + cfg.window  # before the unit seals
+            assert write_at - (m * unit // size - 1) * size <= layout.raw_window(cfg) - 1  # rows read still stored
+        first = last + 1
+    assert layout.default_block_size(cfg) == 2 * size and layout.dynamic_lag_pages(cfg, 2 * size) == 1

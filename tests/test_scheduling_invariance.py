@@ -11,7 +11,8 @@ kept leading rows (sinks, staggered grid origins). The staggered config also
 aligns each request's grid to its prompt end (`align`): the shift comes from
 the prompt length alone, so preemption and recomputation must not move it,
 and round 2's extended prompts (other lengths) must not hit round 1's pages
-of another grid.
+of another grid. With dynamic boundaries, a prefix hit shares unit slots
+whose chunks were cut from keys of the shared prefix only.
 
 Round 2 repeats or extends the round-1 prompts, so with caching on it starts
 from prefix-cache hits of both page sets (32-token pages: hits land every
@@ -38,6 +39,8 @@ CONFIGS = {
     "stride2": dict(mitigation="stride2", window=12, sink_tokens=2),
     "overlap-key_norm": dict(mitigation="overlap", window=12, pooling="key_norm"),
     "stagger-align": dict(mitigation="stagger", window=16, sink_tokens=1, align="prompt_end"),
+    # 32-token pages: unit slots lag their tokens by one page (`layout.dynamic_lag_pages`), so window >= 32 + 8
+    "dynamic": dict(boundaries="dynamic", min_chunk=2, window=40, sink_tokens=1),
 }
 SCHEDULES = {
     "cached, 32-token steps, 8 at a time": dict(enable_prefix_caching=True, max_num_batched_tokens=32),
@@ -82,7 +85,7 @@ def run(model, settings: dict, schedule: dict, rounds) -> tuple[list[list[int]],
 
 # Two files share the configs (the other: test_scheduling_invariance_2.py), so that
 # pytest-xdist (`--dist loadfile`) runs the halves on both workers.
-FIRST_HALF, SECOND_HALF = ["none", "boundary-sinks", "stride2"], ["overlap-key_norm", "stagger-align"]
+FIRST_HALF, SECOND_HALF = ["none", "boundary-sinks", "stride2"], ["overlap-key_norm", "stagger-align", "dynamic"]
 assert sorted(FIRST_HALF + SECOND_HALF) == sorted(CONFIGS)  # every config runs, once
 
 

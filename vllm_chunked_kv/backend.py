@@ -41,7 +41,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunked_kv import layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
@@ -101,6 +101,20 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
         """Compressed pages hold whole slot groups: multiples of hop."""
         cfg = settings.active_config_or_none()
         return [MultipleOf(1 if cfg is None else layout.block_multiple(cfg))]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        """Multiples of hop that suit the settings (`layout.check_block_size`:
+        with dynamic boundaries, the window must outlast the slot lag, so
+        vLLM's default of 16 may not do where 8 does)."""
+        cfg = settings.active_config_or_none()
+        if block_size is None or cfg is None:
+            return super().supports_block_size(block_size)
+        try:
+            layout.check_block_size(cfg, block_size)
+        except ChunkedKVConfigError:
+            return False
+        return True
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
@@ -165,8 +179,8 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         model = vllm_config.model_config
         group = model.get_num_attention_heads(vllm_config.parallel_config) // kv_cache_spec.num_kv_heads
         impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)  # the layers' choice (cached)
-        self.device_decode_plan = decode_plan_on_device(device, impl)
         self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
+        self.device_decode_plan = decode_plan_on_device(device, impl, self.config)
         self.shift_buffer = None  # [max_num_seqs] device copy of the grid shifts (`align`)
         if self.config.align != "none" and torch.device(device).type != "cpu":
             self.shift_buffer = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.long, device=device)
@@ -178,7 +192,8 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         """Uniform single-token decode when its plan is built on the device
         (CUDA devices by default; CPU never captures graphs)."""
         device = vllm_config.device_config.device if vllm_config.device_config is not None else None
-        on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"))
+        on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"),
+                                          cfg=ChunkedKVConfig.from_vllm_config(vllm_config))
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if on_device else AttentionCGSupport.NEVER
 
     def build(
@@ -213,17 +228,20 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
 DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
 
 
-def decode_plan_on_device(device: torch.device, impl: str | None = None) -> bool:
+def decode_plan_on_device(device: torch.device, impl: str | None = None, cfg: ChunkedKVConfig | None = None) -> bool:
     """Whether uniform decode batches get the device-side plan
     (`ops/decode_plan.py`): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
     ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
     CPU kernels (`impl` ``cpp``: it takes about half the Python plan's time
     at batch 8 and a fifth at batch 64, benchmarks/README.md, and the kernel
     reads only the visible slots; the PyTorch path would gather every
-    addressable one)."""
+    addressable one). Never with dynamic boundaries (`cfg`), whose unit
+    writes are planned in Python."""
     choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
     if choice not in ("auto", "device", "python"):
         raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
+    if cfg is not None and cfg.boundaries == "dynamic":
+        return False
     return choice == "device" or (choice == "auto" and (device.type == "cuda" or impl == "cpp"))
 
 

@@ -24,6 +24,11 @@ attention reads sealed chunks from the compressed pages and everything else
 from the raw pages. The functions here are the single source of those
 paging sizes; the grid itself (seal rule, slot groups, slot kinds) is
 `grid.py`, and `ops/step_plan.py` turns both into gather tensors.
+
+Every function takes the settings as given and pages their
+`ChunkedKVConfig.storage_grid`: with dynamic boundaries (`boundaries.py`),
+a grid of one ``min_chunk``-token unit per chunk, whose slots sit
+`dynamic_lag_pages` pages after their tokens (docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -31,19 +36,19 @@ from __future__ import annotations
 from fractions import Fraction
 
 from vllm_chunked_kv import grid
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.config import ChunkedKVConfig, ChunkedKVConfigError
 
 
 def spec_tokens_per_state(cfg: ChunkedKVConfig) -> int | Fraction:
     """`grid.tokens_per_state` as vLLM's spec field wants it: an int where it
     is one, so vLLM's integer-only checks apply."""
-    value = grid.tokens_per_state(cfg)
+    value = grid.tokens_per_state(cfg.storage_grid())
     return int(value) if value.denominator == 1 else value
 
 
 def block_multiple(cfg: ChunkedKVConfig) -> int:
     """A compressed page must hold whole slot groups: block sizes are multiples of hop."""
-    return cfg.hop
+    return cfg.storage_grid().hop
 
 
 DEFAULT_BLOCK_TOKENS = 32
@@ -53,12 +58,17 @@ def default_block_size(cfg: ChunkedKVConfig) -> int:
     """Block size used unless --block-size is given: the smallest multiple of
     hop from 32 tokens on. Raw pages hold as many rows as a compressed page
     holds states, and a request keeps about two windows of raw pages plus a
-    page of rounding each, so small pages keep the raw overhead small."""
+    page of rounding each, so small pages keep the raw overhead small. With
+    dynamic boundaries: 2 * chunk_size, so that unit slots lag their tokens
+    by one page (`dynamic_lag_pages`)."""
+    if cfg.boundaries == "dynamic":
+        return 2 * cfg.chunk_size
     return -(-DEFAULT_BLOCK_TOKENS // cfg.hop) * cfg.hop
 
 
 def states_per_block(cfg: ChunkedKVConfig, block_size: int) -> int:
     """Rows in one compressed page of `block_size` tokens."""
+    cfg = cfg.storage_grid()
     if block_size % block_multiple(cfg):
         raise ValueError(f"block size {block_size} is not a multiple of hop {cfg.hop}")
     return block_size // cfg.hop * grid.slots_per_group(cfg)
@@ -81,3 +91,33 @@ def model_forever_raw(cfg: ChunkedKVConfig, num_kv_heads_total: int) -> int:
     else:
         origins = cfg.origins(0, num_kv_heads_total)
     return grid.forever_raw(cfg, grid.possible_origins(cfg, origins))
+
+
+def dynamic_lag_pages(cfg: ChunkedKVConfig, block_size: int) -> int:
+    """Dynamic boundaries: pages between a unit's tokens and its slot. A unit's
+    chunk is decided at most ``2 * chunk_size`` positions after the unit
+    starts (`boundaries.py`), so its slot goes in the page of the position
+    this many whole pages on: written in the step that computes that
+    position, and final once vLLM counts the page's tokens as computed (what
+    prefix caching shares). 0 with fixed boundaries."""
+    if cfg.boundaries == "fixed":
+        return 0
+    return -(-2 * cfg.chunk_size // block_size)
+
+
+def check_block_size(cfg: ChunkedKVConfig, block_size: int) -> None:
+    """Raise ChunkedKVConfigError if pages of `block_size` tokens do not suit
+    the settings: whole slot groups per page, and with dynamic boundaries a
+    window that outlasts the slot lag (a unit's slot must be written before
+    the unit seals, from raw rows still in the window)."""
+    multiple = block_multiple(cfg)
+    if block_size % multiple:
+        raise ChunkedKVConfigError(
+            None, f"--block-size {block_size} must be a multiple of hop {multiple}: a compressed page holds "
+            f"whole chunks (mitigation {cfg.mitigation!r}, chunk_size {cfg.chunk_size})")
+    lag = dynamic_lag_pages(cfg, block_size) * block_size
+    if lag and cfg.window < lag + 2 * cfg.chunk_size:
+        raise ChunkedKVConfigError(
+            "window", f"boundaries 'dynamic' with --block-size {block_size} needs window >= "
+            f"{lag + 2 * cfg.chunk_size} (got {cfg.window}); block size {default_block_size(cfg)} needs "
+            f"{4 * cfg.chunk_size}")

@@ -29,6 +29,7 @@ SETTINGS = {
     "chunk 5": {"chunk_size": 5},
     "overlap at chunk 6": {"chunk_size": 6, "mitigation": "overlap"},
     "boundary at chunk 5": {"chunk_size": 5, "mitigation": "boundary"},
+    "dynamic boundaries": {"chunk_size": 4, "boundaries": "dynamic", "min_chunk": 2, "window": 16},
 }
 
 

@@ -30,7 +30,8 @@ from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
 
 # Settings every implementation is checked under: each mitigation and
-# pooling mode, sinks, staggered grids, chunk 1, per-request grid alignment.
+# pooling mode, sinks, staggered grids, chunk 1, per-request grid alignment,
+# dynamic boundaries.
 CONFIGS = {
     "none": dict(mitigation="none", chunk_size=4, window=6),
     "none-sinks": dict(mitigation="none", chunk_size=4, window=5, sink_tokens=6),
@@ -44,6 +45,7 @@ CONFIGS = {
     "stagger-list": dict(mitigation="none", chunk_size=4, hop=2, window=4, stagger=[[1, 0]]),
     "hop1": dict(mitigation="none", chunk_size=1, window=1),
     "align-stagger": dict(mitigation="stagger", chunk_size=4, window=5, sink_tokens=1, align="prompt_end"),
+    "dynamic": dict(boundaries="dynamic", chunk_size=4, min_chunk=2, window=16, sink_tokens=1),
 }
 
 
@@ -140,7 +142,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     origins = cfg.origins(0, num_kv_heads)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    block_size = cfg.hop * rng.choice([2, 4, 16])  # raw pages shorter and longer than the window
+    sizes = [layout.block_multiple(cfg) * pages for pages in (2, 4, 16)]  # raw pages shorter and longer than the window
+    block_size = rng.choice([size for size in sizes if _fits(cfg, size)])
     pager = Pager(cfg, origins, block_size, len(lengths), num_kv_heads=num_kv_heads, row=head_size + head_size_v,
                   dtype=dtype, device=device, cache_all=cache_all)
     # With `align`, request r's prompt is its first prompt_lens[r] positions (the rest decodes).
@@ -186,6 +189,14 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
             done[r] = hi
         num_steps += 1
     return num_steps
+
+
+def _fits(cfg: ChunkedKVConfig, block_size: int) -> bool:
+    try:
+        layout.check_block_size(cfg, block_size)
+    except ValueError:
+        return False
+    return True
 
 
 def _write_chunks(ops, pager: Pager, step_rows, writes, cfg: ChunkedKVConfig, head_size: int, tol: float) -> None:

@@ -51,6 +51,15 @@ def test_equals_the_per_query_reference(cfg, seq_len, group, origins):
     )
 
 
+@pytest.mark.parametrize("seq_len", [1, 17, 63, 100])
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_dynamic_boundaries_equal_the_per_query_reference(seq_len, sinks):
+    cfg = ChunkedKVConfig(boundaries="dynamic", chunk_size=4, min_chunk=2, window=16, sink_tokens=sinks)
+    q, k, v = qkv(seq_len, 4, 2)
+    torch.testing.assert_close(masked_chunked_attention(q, k, v, cfg), reference_chunked_attention(q, k, v, cfg),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mitigation", ["none", "boundary", "overlap", "stride2"])
 @pytest.mark.parametrize("sinks", [0, 5])
 def test_stagger_keeps_memory_per_token(mitigation, sinks):

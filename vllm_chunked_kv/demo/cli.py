@@ -33,6 +33,8 @@ MODES: dict[str, dict | None] = {
     "default backend": None,
     **MITIGATION_MODES,
     "none aligned": {"mitigation": "none", "align": "prompt_end"},  # per-request grid alignment, none's memory
+    # Dynamic boundaries: none's chunks (one per 4 tokens on average), stored once per 2-token unit.
+    "none dynamic": {"mitigation": "none", "boundaries": "dynamic", "min_chunk": 2},
     "stagger fine-tuned": {"mitigation": "stagger"},
 }
 # Modes served from another model directory: mode -> the argument naming it.

@@ -41,13 +41,8 @@ def _check_paging(cfg: ChunkedKVConfig, vllm_config, cache_config) -> None:
     if cache_config is not None and not getattr(cache_config, "user_specified_block_size", True):
         cache_config.block_size = layout.default_block_size(cfg)
     block_size = getattr(cache_config, "block_size", None)
-    multiple = layout.block_multiple(cfg)
-    if block_size and block_size % multiple:
-        raise ChunkedKVConfigError(
-            None,
-            f"--block-size {block_size} must be a multiple of hop {multiple}: a compressed page holds "
-            f"whole chunks (mitigation {cfg.mitigation!r}, chunk_size {cfg.chunk_size})",
-        )
+    if block_size:
+        layout.check_block_size(cfg, block_size)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise ChunkedKVConfigError(
             None, "KV connectors (--kv-transfer-config) are not supported: they move one KV state per "

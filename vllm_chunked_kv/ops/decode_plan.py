@@ -40,7 +40,10 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     position ``seq_lens[r] - 1`` (token index ``r``). seq_lens ``[b]``,
     block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, and
     grid_shifts ``[b]`` (each request's `align` shift; None: all 0), all on
-    the device. Padding requests (seq_len 0) read and write nothing."""
+    the device. Padding requests (seq_len 0) read and write nothing. Not for
+    dynamic boundaries, whose unit writes are planned on the host (`step_plan`)."""
+    if cfg.boundaries != "fixed":
+        raise ValueError("boundaries 'dynamic' decode steps are planned in Python (step_plan.build_plan)")
     head_o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
     t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
     if grid_shifts is None:

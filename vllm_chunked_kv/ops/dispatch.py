@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_chunked_kv.ops import compressed
+from vllm_chunked_kv.ops import compressed, dynamic_writes
 from vllm_chunked_kv.ops.step_plan import StepPlan
 
 IMPLS = ("cuda", "triton", "cpp", "torch")
@@ -197,20 +197,36 @@ def ops(impl: str) -> Ops:
         decode, prefill = (ops(part) for part in impl.split("+"))
         return Ops(impl, decode.write_raw, decode.write_chunks, split_attend(decode.attend, prefill.attend))
     if impl == "torch":
-        return Ops("torch", compressed.write_raw, compressed.write_chunks, compressed.attend)
+        return Ops("torch", compressed.write_raw, with_unit_writes(compressed.write_chunks), compressed.attend)
     if impl == "cuda":
         from vllm_chunked_kv.ops import cuda_ext
 
-        return Ops("cuda", compressed.write_raw, cuda_ext.write_chunks, cuda_ext.attend)
+        return Ops("cuda", compressed.write_raw, with_unit_writes(cuda_ext.write_chunks), cuda_ext.attend)
     if impl == "cpp":
         from vllm_chunked_kv.ops import cpu_ext
 
-        return Ops("cpp", cpu_ext.write_raw, cpu_ext.write_chunks, cpu_ext.attend)
+        return Ops("cpp", cpu_ext.write_raw, with_unit_writes(cpu_ext.write_chunks), cpu_ext.attend)
     if impl == "triton":
         from vllm_chunked_kv.ops import triton_attention, triton_pool
 
-        return Ops("triton", compressed.write_raw, triton_pool.write_chunks, triton_attention.attend)
+        return Ops("triton", compressed.write_raw, with_unit_writes(triton_pool.write_chunks),
+                   triton_attention.attend)
     raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")
+
+
+def with_unit_writes(write_chunks: Callable) -> Callable:
+    """An implementation's `write_chunks`, or with dynamic boundaries the unit
+    writes of `dynamic_writes.py` (one PyTorch path for every implementation:
+    a few rows per step; the attention kernels read the unit slots as they
+    read any grid)."""
+
+    def write(comp_cache, raw_cache, step_rows, writes, cfg, head_size):
+        if writes.dynamic is not None:
+            dynamic_writes.write(comp_cache, raw_cache, step_rows, writes.dynamic, cfg, head_size)
+        else:
+            write_chunks(comp_cache, raw_cache, step_rows, writes, cfg, head_size)
+
+    return write
 
 
 def split_attend(decode_attend: Callable, prefill_attend: Callable) -> Callable:

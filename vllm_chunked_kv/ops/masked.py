@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_chunked_kv import grid
+from vllm_chunked_kv import boundaries, grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.reference import check_shapes, pool_chunk
 
@@ -82,6 +82,8 @@ def extended_kv(
     of that head's grid (a padding row, always masked, if it does not fit).
     The bias covers queries at ``positions`` ``[L]`` (default: all T)."""
     seq_len, num_kv_heads, head_dim = k.shape
+    dynamic, cfg_in = cfg.boundaries == "dynamic", cfg
+    cfg = cfg.storage_grid()  # dynamic boundaries: the grid of units, each holding its chunk's row
     o = _origins_tensor(origins, num_kv_heads, cfg, k.device)
     n = num_chunks(seq_len, cfg, o)
     starts = grid.chunk_start(cfg, torch.arange(n, device=k.device).view(-1, 1), o.view(1, -1))  # [N, Hkv]
@@ -90,7 +92,10 @@ def extended_kv(
     heads = torch.arange(num_kv_heads, device=k.device).view(1, -1, 1)  # [1, Hkv, 1]
     chunk_k = k[slots, heads]  # [N, Hkv, chunk_size, head_dim]
     chunk_v = v[slots, heads]  # [N, Hkv, chunk_size, head_dim]
-    if n:
+    if n and dynamic:
+        row_k, row_v, _ = boundaries.unit_rows(k, v, cfg_in)  # [N, Hkv, head_dim] x2
+        log_weight = torch.full((n, num_kv_heads), cfg.log_weight, dtype=torch.float32, device=k.device)
+    elif n:
         row_k, row_v, log_weight = pool_chunk(chunk_k, chunk_v, cfg)  # [N, Hkv, head_dim] x2, [N, Hkv]
     else:
         row_k = k.new_zeros((n, num_kv_heads, head_dim), dtype=torch.float32)

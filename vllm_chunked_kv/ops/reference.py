@@ -17,6 +17,11 @@ KV head:
   a chunk lying wholly inside the sinks gets no row;
 - one softmax over raw positions and compressed rows.
 
+With dynamic boundaries (``boundaries: dynamic``) the grid above is the
+storage grid of units (`ChunkedKVConfig.storage_grid`) and the compressed
+row of unit ``m`` is the mean of the dynamic chunk that covers it
+(`boundaries.unit_rows`), with bias ``log(min_chunk)``.
+
 `reference_chunked_attention` is that, one query and one head at a time, in
 fp32. `masked.py` is the same as one masked softmax over the whole sequence
 (for training and long inputs); the kernels are held to this module.
@@ -29,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_chunked_kv import grid
+from vllm_chunked_kv import boundaries, grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 
 
@@ -125,18 +130,29 @@ def reference_chunked_attention(
     seq_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
+    dynamic, cfg_in = cfg.boundaries == "dynamic", cfg
+    cfg = cfg.storage_grid()
     origins = [0] * num_kv_heads if origins is None else [int(o) for o in origins]
     if len(origins) != num_kv_heads or any(not 0 <= o < cfg.hop for o in origins):
         raise ValueError(f"origins must be {num_kv_heads} integers in [0, hop={cfg.hop}), got {origins}")
+    if dynamic and any(origins):
+        raise ValueError(f"dynamic boundaries cut frames from position 0: origins must be 0, got {origins}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     k, v = k.float(), v.float()
+    if dynamic:
+        unit_k, unit_v, decided = boundaries.unit_rows(k, v, cfg_in)  # [N, Hkv, D], [N, Hkv, Dv], [N, Hkv]
     out = torch.empty((seq_len, num_heads, v.shape[-1]), dtype=torch.float32, device=q.device)
     pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (head, chunk) -> row
     for t in range(seq_len):
         for h, origin in enumerate(origins):
             raw, chunks = visible_set(t, cfg, origin)
             for c in chunks:
-                if (h, c) not in pooled:
+                if (h, c) in pooled:
+                    continue
+                if dynamic:  # every sealed unit's chunk is decided (window >= 2 * chunk_size)
+                    assert decided[c, h], (c, h, t)
+                    pooled[h, c] = unit_k[c, h], unit_v[c, h], torch.tensor(cfg.log_weight)  # [D], [Dv], []
+                else:
                     start, end = chunk_bounds(c, cfg, origin)
                     pooled[h, c] = pool_chunk(k[start:end, h], v[start:end, h], cfg)  # [D], [Dv], []
             keys = torch.cat([k[raw, h], *(pooled[h, c][0][None] for c in chunks)])  # [R + C, D]

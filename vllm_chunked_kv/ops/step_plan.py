@@ -16,19 +16,26 @@ both cache groups, then reused by every layer:
   (decode) requests share one padded `KeySet`; every multi-token request
   gets its own.
 
+With dynamic boundaries the plan is that of the storage grid of units
+(`ChunkedKVConfig.storage_grid`) over the page table from the slot lag on
+(`layout.dynamic_lag_pages`); its `ChunkWrites` carry the unit writes
+(`dynamic_writes.py`) instead of grid chunks.
+
 Python loops here run per request (or per request and KV head) on
 metadata, never per token or per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from vllm_chunked_kv import grid, layout
 from vllm_chunked_kv.grid import SlotKind
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import dynamic_writes
+from vllm_chunked_kv.ops.dynamic_writes import DynamicWrites
 
 NULL_PAGE = 0  # vLLM's null block: the first block of its pool, what never-stored pages map to
 
@@ -69,6 +76,7 @@ class ChunkWrites:
     zero_heads: torch.Tensor  # [Z] slots below a head's first group, written as zeros
     zero_blocks: torch.Tensor  # [Z]
     zero_offsets: torch.Tensor  # [Z]
+    dynamic: DynamicWrites | None = None  # dynamic boundaries: the unit slots to write (no grid chunks then)
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see `derived`
 
 
@@ -142,6 +150,14 @@ def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, b
     """The plan of one step for KV heads with grid `origins` (each request's
     shifted by its `PagedBatch.grid_shifts`); without `bias`, the key sets
     carry no bias (kernels compute visibility themselves)."""
+    dynamic = None
+    if cfg.boundaries == "dynamic":  # the unit grid, over the pages from the slot lag on
+        lag = layout.dynamic_lag_pages(cfg, batch.block_size)
+        slot_table = batch.block_table[:, lag:]
+        if not slot_table.shape[1]:  # no slot page yet: padding slots read the null page
+            slot_table = torch.full_like(batch.block_table[:, :1], NULL_PAGE)
+        dynamic = dynamic_writes.build(batch, cfg, slot_table)
+        batch, cfg = replace(batch, block_table=slot_table), cfg.storage_grid()
     device = batch.block_table.device
     num_reqs = len(batch.seq_lens)
     q_lens = [batch.query_start[r + 1] - batch.query_start[r] for r in range(num_reqs)]
@@ -149,8 +165,9 @@ def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, b
     decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
     key_sets = [_key_set(batch, cfg, req_origins, decodes, bias)] if decodes else []
     key_sets += [_key_set(batch, cfg, req_origins, [r], bias) for r in range(num_reqs) if q_lens[r] > 1]
-    return StepPlan(cfg=cfg, raw_writes=_raw_writes(batch), writes=_chunk_writes(batch, cfg, req_origins, q_lens, device),
-                    key_sets=key_sets)
+    writes = _chunk_writes(batch, cfg, req_origins, [0] * num_reqs if dynamic else q_lens, device)
+    writes.dynamic = dynamic
+    return StepPlan(cfg=cfg, raw_writes=_raw_writes(batch), writes=writes, key_sets=key_sets)
 
 
 # ------------------------------------------------------------------- writes
