@@ -8,7 +8,8 @@ once, times ``max_model_len``). The theoretical ratio is what the memory of
 one ``max_model_len`` request needs: ``max_model_len`` raw rows with the
 default backend; ``max_model_len / tokens_per_state`` compressed rows plus the
 raw window (``window + chunk_size - 1`` rows) plus the rows kept raw forever
-(sinks, positions before staggered or per-request aligned grid origins)
+(sinks, positions before staggered or per-request aligned grid origins),
+and with dynamic boundaries the page of slots each request's units lag by,
 with CHUNKED_KV. Each
 mitigation is measured with prefix caching off and on (vLLM's default): with
 it on, a step also keeps the raw rows later prefix hits need (one hit
@@ -45,6 +46,8 @@ def mitigations(chunk_size: int, window: int) -> dict[str, dict]:
         "stride2": dict(mitigation="stride2", window=window),
         "stagger": dict(mitigation="stagger", chunk_size=chunk_size, window=window),
         "none aligned": dict(mitigation="none", chunk_size=chunk_size, window=window, align="prompt_end"),
+        "none dynamic": dict(mitigation="none", chunk_size=chunk_size, window=window, boundaries="dynamic",
+                             min_chunk=chunk_size // 2),
     }
 
 
@@ -56,9 +59,11 @@ def capacity_tokens(model: Path, engine: dict) -> int:
     return int(found[-1].replace(",", ""))
 
 
-def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: int, kept_rows: int = 0) -> float:
+def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: int, kept_rows: int = 0,
+                      block_size: int = 0) -> float:
+    lag_rows = layout.dynamic_lag_pages(cfg, block_size) * layout.states_per_block(cfg, block_size) if block_size else 0
     rows = (max_model_len / cfg.tokens_per_state + layout.raw_window(cfg) + layout.model_forever_raw(cfg, num_kv_heads)
-            + kept_rows)
+            + kept_rows + lag_rows)
     return max_model_len / float(rows)
 
 
@@ -92,9 +97,10 @@ def main() -> None:
                                                  "enable_prefix_caching": caching,
                                                  "prefix_cache_retention_interval": args.retention if caching else 0,
                                                  "additional_config": {"chunked_kv": settings}})
-                kept = kept_tail_rows(cfg, args.block_size or layout.default_block_size(cfg),
-                                      args.max_num_batched_tokens, args.retention) if caching else 0
-                ratio, ideal = tokens / default, theoretical_ratio(cfg, args.max_model_len, num_kv_heads, kept)
+                block_size = args.block_size or layout.default_block_size(cfg)
+                kept = kept_tail_rows(cfg, block_size, args.max_num_batched_tokens, args.retention) if caching else 0
+                ideal = theoretical_ratio(cfg, args.max_model_len, num_kv_heads, kept, block_size)
+                ratio = tokens / default
                 rows.append(dict(backend=name, prefix_caching="on" if caching else "off", tokens=tokens, ratio=ratio,
                                  theoretical=ideal, fraction=ratio / ideal))
 

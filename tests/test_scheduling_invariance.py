@@ -76,9 +76,11 @@ def run(model, settings: dict, schedule: dict, rounds) -> tuple[list[list[int]],
                   **schedule)
     result = generate(model, engine, rounds, max_tokens=MAX_TOKENS, env=env)
     # The mechanism ran, not only the outputs agree: decodes are planned on the
-    # device by default with the C++ kernels, in Python when asked.
+    # device by default with the C++ kernels, in Python when asked (always with
+    # dynamic boundaries).
     log = result["log"]
     on_device = "kernels on cpu: cpp" in log if env is None else env["CHUNKED_KV_DECODE_PLAN"] == "device"
+    on_device = on_device and settings.get("boundaries") != "dynamic"
     assert f"uniform decode batches are planned {'on the device' if on_device else 'in Python'}" in log
     return [tokens for round_outputs in result["outputs"] for tokens in round_outputs], result["preemptions"]
 
