@@ -165,7 +165,7 @@ def build_plan(batch: PagedBatch, cfg: ChunkedKVConfig, origins: list[int], *, b
     decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
     key_sets = [_key_set(batch, cfg, req_origins, decodes, bias)] if decodes else []
     key_sets += [_key_set(batch, cfg, req_origins, [r], bias) for r in range(num_reqs) if q_lens[r] > 1]
-    writes = _chunk_writes(batch, cfg, req_origins, [0] * num_reqs if dynamic else q_lens, device)
+    writes = _chunk_writes(batch, cfg, req_origins, q_lens if dynamic is None else [0] * num_reqs, device)
     writes.dynamic = dynamic
     return StepPlan(cfg=cfg, raw_writes=_raw_writes(batch), writes=writes, key_sets=key_sets)
 
