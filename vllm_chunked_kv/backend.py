@@ -192,8 +192,8 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         """Uniform single-token decode when its plan is built on the device
         (CUDA devices by default; CPU never captures graphs)."""
         device = vllm_config.device_config.device if vllm_config.device_config is not None else None
-        on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"),
-                                          cfg=ChunkedKVConfig.from_vllm_config(vllm_config))
+        cfg = ChunkedKVConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+        on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"), cfg=cfg)
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if on_device else AttentionCGSupport.NEVER
 
     def build(

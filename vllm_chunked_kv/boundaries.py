@@ -19,26 +19,49 @@ Storage is the fixed grid of units (`ChunkedKVConfig.storage_grid`): unit
 logit bias ``log u``, and seals like a chunk of that grid. Once a whole
 chunk of ``n`` tokens is sealed, its ``n / u`` equal rows weigh exactly as
 one row with bias ``log n``: the attention of one dynamic chunk.
+
+Every function takes the settings first (a `ChunkedKVConfig`, which checks
+itself with `settings_problem`, so this module imports no config).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+
+def settings_problem(cfg) -> tuple[str, str] | None:
+    """(field, detail) of the first setting dynamic boundaries cannot take, or
+    None: a unit that divides the chunk, the plain grid (their own
+    mitigation), mean pooling with proportional rows, and a window that
+    outlasts a unit slot's lag at the default block size (`layout.check_block_size`)."""
+    if cfg.boundaries == "fixed":
+        return None if cfg.min_chunk is None else ("min_chunk", "only used with boundaries 'dynamic' (boundaries is 'fixed')")
+    unit, size = cfg.min_chunk, cfg.chunk_size
+    if unit is None:
+        return "min_chunk", f"required with boundaries 'dynamic': a divisor of chunk_size {size} below it"
+    if unit >= size or size % unit:
+        return "min_chunk", f"must divide chunk_size {size} and be below it (got {unit})"
+    plain = {"mitigation": (cfg.mitigation, "none"), "stagger": (cfg.stagger, "none"), "align": (cfg.align, "none"),
+             "pooling": (cfg.pooling, "mean"), "proportional": (cfg.proportional, True)}
+    for name, (value, allowed) in plain.items():
+        if value != allowed:
+            return name, f"boundaries 'dynamic' needs {name} {allowed!r} (got {value!r})"
+    if cfg.window < 4 * size:
+        return "window", f"boundaries 'dynamic' needs window >= 4 * chunk_size = {4 * size} (got {cfg.window})"
+    return None
 
 
-def decided_frames(cfg: ChunkedKVConfig, seq_len):
+def decided_frames(cfg, seq_len):
     """Frames whose chunk is decided once positions ``[0, seq_len)`` are computed."""
     return (seq_len - 1) // cfg.chunk_size
 
 
-def candidates(cfg: ChunkedKVConfig) -> torch.Tensor:
+def candidates(cfg) -> torch.Tensor:
     """Offsets in a frame after which its chunk may end: each unit's last token."""
     return torch.arange(cfg.min_chunk - 1, cfg.chunk_size, cfg.min_chunk)
 
 
-def frame_cuts(cfg: ChunkedKVConfig, frame_keys: torch.Tensor) -> torch.Tensor:
+def frame_cuts(cfg, frame_keys: torch.Tensor) -> torch.Tensor:
     """Offset in its frame of the last token of each frame's chunk.
 
     frame_keys ``[..., chunk_size + 1, D]``: a frame's keys and the next
@@ -51,7 +74,7 @@ def frame_cuts(cfg: ChunkedKVConfig, frame_keys: torch.Tensor) -> torch.Tensor:
     return cand[cand.numel() - 1 - last_best]  # [...]
 
 
-def chunk_cuts(cfg: ChunkedKVConfig, keys: torch.Tensor) -> torch.Tensor:
+def chunk_cuts(cfg, keys: torch.Tensor) -> torch.Tensor:
     """Absolute position of the last token of every decided chunk of a
     sequence: keys ``[T, Hkv, D]`` -> ``[F, Hkv]`` long, increasing in F."""
     seq_len = keys.shape[0]
@@ -62,7 +85,7 @@ def chunk_cuts(cfg: ChunkedKVConfig, keys: torch.Tensor) -> torch.Tensor:
     return starts[:, None] + frame_cuts(cfg, frame_keys)  # [F, Hkv]
 
 
-def max_chunk(cfg: ChunkedKVConfig) -> int:
+def max_chunk(cfg) -> int:
     """Longest chunk: from just after a frame's first unit to the next frame's end."""
     return 2 * cfg.chunk_size - cfg.min_chunk
 
@@ -79,7 +102,7 @@ def pool_span(keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor, las
     return (inside * keys.float()).sum(-2) / count, (inside * values.float()).sum(-2) / count
 
 
-def unit_rows(keys: torch.Tensor, values: torch.Tensor, cfg: ChunkedKVConfig
+def unit_rows(keys: torch.Tensor, values: torch.Tensor, cfg
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each unit's row of a whole sequence: keys ``[T, Hkv, D]``, values
     ``[T, Hkv, Dv]`` -> fp32 ``(key rows [N, Hkv, D], value rows [N, Hkv, Dv],

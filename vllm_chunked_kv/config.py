@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from vllm_chunked_kv import boundaries
 from vllm_chunked_kv.presets import PRESETS, PresetError, preset_values
 
 ADDITIONAL_CONFIG_KEY = "chunked_kv"
@@ -157,9 +158,8 @@ class _ChunkedKVFields(BaseModel):
     'none'."""
 
     min_chunk: int | None = Field(default=None, ge=2)
-    """Unit of dynamic boundaries, in tokens: a chunk is whole units; divides
-    chunk_size and is below it. Required with boundaries 'dynamic' (e.g.
-    chunk_size / 2), not allowed with 'fixed'."""
+    """Unit of dynamic boundaries (chunks are whole units): divides chunk_size,
+    below it; required with 'dynamic' (e.g. chunk_size / 2), else not allowed."""
 
     prefix_spare_pages: bool = True
     """With vLLM's prefix caching on, a step keeps every raw row it computes
@@ -286,10 +286,8 @@ class ChunkedKVConfig(_ChunkedKVFields):
         return grid.tokens_per_state(self.storage_grid())
 
     def storage_grid(self) -> ChunkedKVConfig:
-        """The fixed grid the pages, the step plans and the attention kernels
-        use: these settings, or with dynamic boundaries a grid of one
-        min_chunk-token unit per chunk (`boundaries.py`: each unit's slot
-        holds the pooled row of the dynamic chunk that covers it)."""
+        """The fixed grid of the pages, plans and kernels: these settings, or with
+        dynamic boundaries one min_chunk-token unit per chunk (`boundaries.py`)."""
         if self.boundaries == "fixed":
             return self
         return ChunkedKVConfig(chunk_size=self.min_chunk, window=self.window, sink_tokens=self.sink_tokens,
@@ -386,7 +384,9 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
             raise fail("slot_gains", f"the pooled (interior) slots need a positive sum (got {cfg.slot_gains})")
     elif cfg.slot_gains is not None:
         raise fail("slot_gains", f"only allowed with pooling 'gated' (pooling is {cfg.pooling!r})")
-    _check_boundaries(cfg)
+    problem = boundaries.settings_problem(cfg)
+    if problem:
+        raise fail(*problem)
     if cfg.stagger == "heads":
         if hop % cfg.stagger_groups:
             raise fail("stagger_groups", f"must divide hop {hop} for stagger 'heads' (got {cfg.stagger_groups})")
@@ -398,24 +398,3 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
             if bad:
                 raise fail(f"stagger[{layer}]", f"origins must be in [0, hop) = [0, {hop}) (got {bad[0]})")
 
-
-def _check_boundaries(cfg: ChunkedKVConfig) -> None:
-    """Dynamic boundaries: a unit that divides the chunk, on the plain grid
-    (their own mitigation), mean pooling with proportional rows, and a window
-    that outlasts a unit slot's lag (docs/design.md §12)."""
-    if cfg.boundaries == "fixed":
-        if cfg.min_chunk is not None:
-            raise fail("min_chunk", "only used with boundaries 'dynamic' (boundaries is 'fixed')")
-        return
-    unit, chunk_size = cfg.min_chunk, cfg.chunk_size
-    if unit is None:
-        raise fail("min_chunk", f"required with boundaries 'dynamic': a divisor of chunk_size {chunk_size} below it")
-    if unit >= chunk_size or chunk_size % unit:
-        raise fail("min_chunk", f"must divide chunk_size {chunk_size} and be below it (got {unit})")
-    others = {"mitigation": (cfg.mitigation, "none"), "stagger": (cfg.stagger, "none"), "align": (cfg.align, "none"),
-              "pooling": (cfg.pooling, "mean"), "proportional": (cfg.proportional, True)}
-    for name, (value, allowed) in others.items():
-        if value != allowed:
-            raise fail(name, f"boundaries 'dynamic' needs {name} {allowed!r} (got {value!r})")
-    if cfg.window < 4 * chunk_size:  # the slot lag at the default block size (`layout.check_block_size`)
-        raise fail("window", f"boundaries 'dynamic' needs window >= 4 * chunk_size = {4 * chunk_size} (got {cfg.window})")

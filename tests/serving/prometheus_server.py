@@ -66,7 +66,7 @@ class PrometheusServer:
     def by_label(self, expr: str, label: str) -> dict[str, float]:
         return {item["metric"].get(label, ""): float(item["value"][1]) for item in self.query(expr)}
 
-    def wait_for(self, predicate, timeout: float = 30.0, what: str = "condition"):
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition"):
         """Poll predicate() until it returns a truthy value; return that value."""
         deadline = time.monotonic() + timeout
         last_error: Exception | None = None

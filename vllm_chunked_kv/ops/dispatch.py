@@ -220,6 +220,7 @@ def with_unit_writes(write_chunks: Callable) -> Callable:
     a few rows per step; the attention kernels read the unit slots as they
     read any grid)."""
 
+    @functools.wraps(write_chunks)  # `__wrapped__`: the implementation's own
     def write(comp_cache, raw_cache, step_rows, writes, cfg, head_size):
         if writes.dynamic is not None:
             dynamic_writes.write(comp_cache, raw_cache, step_rows, writes.dynamic, cfg, head_size)
