@@ -6,7 +6,9 @@
 `--concurrency` streams run for `--duration` seconds, each sending
 completions with a prompt of a length drawn from `--lengths` (words of the
 filler below, or `--words N`), streamed; a fraction `--abort` of them is cut off by the
-client after its first tokens. Reported: requests, errors by kind, streamed
+client after its first tokens. Every request has its own connection (no
+keep-alive), so a transport error is the server's. Reported: requests, errors
+by kind (with the first few: message, tokens received, seconds), streamed
 tokens/s, time to first token and inter-token latency (p50, p99), the
 server's resident memory over time (its process tree, from `--pid`), and
 from vLLM's `/metrics` the preemptions and the KV cache usage once idle.
@@ -97,18 +99,26 @@ async def stream_one(client, model, prompt, max_tokens, abort_after, stats) -> N
                     break
     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
         stats["errors"][type(exc).__name__] += 1
+        if len(stats["error_examples"]) < 5:  # where it broke: before the response, or mid-stream
+            stats["error_examples"].append({"kind": type(exc).__name__, "message": repr(exc), "tokens": tokens,
+                                            "after_s": round(time.perf_counter() - start, 3)})
         return
     stats["requests"] += 1
     stats["tokens"] += tokens
 
 
 async def soak(args) -> dict:
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout) as client:
+    # One connection per request: with keep-alive, a pooled connection that the server closes (uvicorn's
+    # 5 s keep-alive timeout) just as the client reuses it fails with ReadError, a known HTTP/1.1 race
+    # that real clients retry. Without reuse, every transport error reported is the server's.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         words = [f"w{i}" for i in range(args.words)] if args.words else ENGLISH
         before = await probe_answers(client, model, words)
         metrics_before = (await client.get("/metrics")).text
-        stats = {"requests": 0, "aborted": 0, "tokens": 0, "ttft": [], "itl": [], "errors": Counter()}
+        stats = {"requests": 0, "aborted": 0, "tokens": 0, "ttft": [], "itl": [], "errors": Counter(),
+                 "error_examples": []}
         rss, parts = [(0.0, rss_mb(args.pid))], [(0.0, rss_parts_mb(args.pid))]
         lengths = [int(x) for x in args.lengths.split(",")]
         started = time.perf_counter()
@@ -138,7 +148,8 @@ async def soak(args) -> dict:
     return {
         "model": model, "duration_s": round(elapsed, 1), "concurrency": args.concurrency, "abort": args.abort,
         "lengths": lengths, "requests": stats["requests"], "aborted": stats["aborted"],
-        "errors": dict(stats["errors"]), "tokens_per_s": stats["tokens"] / elapsed,
+        "errors": dict(stats["errors"]),
+        "error_examples": stats["error_examples"], "tokens_per_s": stats["tokens"] / elapsed,
         "ttft_p50_s": pct(stats["ttft"], 50), "ttft_p99_s": pct(stats["ttft"], 99),
         "itl_p50_s": pct(stats["itl"], 50), "itl_p99_s": pct(stats["itl"], 99),
         "preemptions": metric(metrics_after, "vllm:num_preemptions_total") - metric(metrics_before,

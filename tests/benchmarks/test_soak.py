@@ -6,13 +6,17 @@ client aborts and prompts of 32-600 tokens for 60 s: no request fails, the
 server is idle afterwards (no running request, KV cache usage back to 0),
 some requests completed and some were aborted, and the fixed greedy probes
 answer the same before and after the load. The memory samples come from
-the server's process tree.
+the server's process tree. Every request came on its own connection (the
+server's access log shows a new client port for nearly every request), so
+an error cannot be the client reusing a connection the server was closing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+from collections import Counter
 
 import pytest
 
@@ -42,7 +46,10 @@ def test_soak_leaves_the_server_correct_and_idle(mode, tiny_llama, load_benchmar
         ])
         report = asyncio.run(soak.soak(options))
     print({k: v for k, v in report.items() if k != "rss_mb"})
-    assert report["errors"] == {}
+    assert report["errors"] == {}, (report["error_examples"], server.log_tail())
+    ports = Counter(re.findall(r"127\.0\.0\.1:(\d+) - \"POST /v1/completions", server.log()))
+    assert sum(ports.values()) > report["requests"]
+    assert len(ports) >= 0.9 * sum(ports.values())  # not 1.0: the OS recycles ports; with keep-alive ~0.25
     assert report["requests"] > 0 and report["aborted"] > 0
     assert report["running_idle"] == 0 and report["kv_usage_idle"] == 0
     assert report["probes_equal"]
