@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
+from vllm_chunked_kv.ops.rows import gather_rows
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan
 
 
@@ -67,9 +68,8 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
-    stored = raw_cache[writes.src_blocks, writes.heads[:, None], writes.src_offsets]  # [M, chunk_size, Dk + Dv]
-    own = step_rows[writes.src_step.clamp(min=0), writes.heads[:, None]]  # [M, chunk_size, Dk + Dv]
-    rows = torch.where((writes.src_step >= 0)[..., None], own.to(stored.dtype), stored)  # [M, chunk_size, Dk + Dv]
+    rows = gather_rows(raw_cache, step_rows, writes.src_blocks, writes.src_offsets, writes.src_step,
+                       writes.heads[:, None])  # [M, chunk_size, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
     key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
     pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]

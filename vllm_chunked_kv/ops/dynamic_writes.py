@@ -22,6 +22,7 @@ import torch
 
 from vllm_chunked_kv import boundaries, layout
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.ops.rows import gather_rows
 
 
 @dataclass
@@ -61,15 +62,13 @@ def build(batch, cfg: ChunkedKVConfig, slot_table: torch.Tensor) -> DynamicWrite
     m = torch.tensor(units, **long)  # [M]
     frame_from = (m * unit // size - 1) * size  # [M] position of row 0: frame g - 1
     positions = (frame_from[:, None] + torch.arange(span(cfg), **long)).clamp(min=0)  # [M, 3C + 1]
-    firsts = torch.tensor([batch.first_position(r) for r in range(len(batch.seq_lens))], **long)[req]  # [M]
-    starts = torch.tensor(batch.query_start[:-1], **long)[req]  # [M]
-    in_step = positions >= firsts[:, None]
+    src_blocks, src_offsets, src_step = batch.row_sources(req, positions)  # [M, 3C + 1] each
     per_page = layout.states_per_block(cfg, batch.block_size)
     return DynamicWrites(
         unit=m,
-        src_blocks=batch.raw_block_table[req[:, None], positions // batch.raw_block_size].long(),
-        src_offsets=positions % batch.raw_block_size,
-        src_step=torch.where(in_step, starts[:, None] + positions - firsts[:, None], -1),
+        src_blocks=src_blocks,
+        src_offsets=src_offsets,
+        src_step=src_step,
         dst_blocks=slot_table[req, m // per_page].long(),
         dst_offsets=m % per_page,
     )
@@ -82,9 +81,8 @@ def write(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Te
         return
     size, unit = cfg.chunk_size, cfg.min_chunk
     heads = torch.arange(raw_cache.shape[1], device=raw_cache.device)  # [Hkv]
-    stored = raw_cache[writes.src_blocks[:, None, :], heads[None, :, None], writes.src_offsets[:, None, :]]
-    own = step_rows[writes.src_step.clamp(min=0)].transpose(1, 2)  # [M, R, Hkv, W] -> [M, Hkv, R, W]
-    rows = torch.where((writes.src_step >= 0)[:, None, :, None], own.to(stored.dtype), stored)  # [M, Hkv, R, W]
+    rows = gather_rows(raw_cache, step_rows, writes.src_blocks[:, None], writes.src_offsets[:, None],
+                       writes.src_step[:, None], heads[None, :, None])  # [M, Hkv, 3C + 1, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, Hkv, R, Dk], [M, Hkv, R, Dv]
     frame = writes.unit * unit // size  # [M] the unit's frame g
     row0 = (frame - 1) * size  # [M] position of row 0

@@ -62,6 +62,17 @@ class PagedBatch:
         shifts = self.grid_shifts or [0] * len(self.seq_lens)
         return [[grid.shifted(cfg, o, shift) for o in origins] for shift in shifts]
 
+    def row_sources(self, req: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Where the rows at `positions` ``[M, R]`` of requests `req` ``[M]`` are: raw page and
+        offset (``[M, R]`` each), and token index in this step, -1 if stored before it
+        (``[M, R]``, `rows.gather_rows`)."""
+        long = dict(dtype=torch.long, device=positions.device)
+        firsts = torch.tensor([self.first_position(r) for r in range(len(self.seq_lens))], **long)[req, None]
+        starts = torch.tensor(self.query_start[:-1], **long)[req, None]  # [M, 1] first query token
+        blocks = self.raw_block_table[req[:, None], positions // self.raw_block_size].long()  # [M, R]
+        in_step = positions >= firsts  # [M, R]
+        return blocks, positions % self.raw_block_size, torch.where(in_step, starts + positions - firsts, -1)
+
 
 @dataclass
 class ChunkWrites:
@@ -215,11 +226,7 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, req_origins: list[lis
     head = torch.tensor(heads, **long)[run]  # [M]
     origin = torch.tensor(req_origins, **long).view(len(req_origins), -1)[req, head]  # [M]
     positions = grid.chunk_start(cfg, k, origin)[:, None] + torch.arange(cfg.chunk_size, **long)  # [M, chunk_size]
-    src_blocks = batch.raw_block_table[req[:, None], positions // batch.raw_block_size]  # [M, chunk_size]
-    firsts_t = torch.tensor([batch.first_position(r) for r in range(len(batch.seq_lens))], **long)  # [R]
-    starts_t = torch.tensor(batch.query_start[:-1], **long)  # [R]
-    in_step = positions >= firsts_t[req][:, None]  # [M, chunk_size]
-    src_step = torch.where(in_step, starts_t[req][:, None] + positions - firsts_t[req][:, None], -1)
+    src_blocks, src_offsets, src_step = batch.row_sources(req, positions)  # [M, chunk_size] each
     group = k + grid.first_group(cfg, origin)  # [M] slot group
     slots = (group * spg)[:, None] + torch.arange(spg, **long)  # [M, spg]
     dst_blocks = batch.block_table[req[:, None], slots // per_block]  # [M, spg]
@@ -227,8 +234,8 @@ def _chunk_writes(batch: PagedBatch, cfg: ChunkedKVConfig, req_origins: list[lis
     zero_slot = torch.tensor(zero_slots, **long)  # [Z]
     return ChunkWrites(
         heads=head,
-        src_blocks=src_blocks.long(),
-        src_offsets=positions % batch.raw_block_size,
+        src_blocks=src_blocks,
+        src_offsets=src_offsets,
         src_step=src_step,
         dst_blocks=dst_blocks.long(),
         dst_offsets=slots % per_block,
