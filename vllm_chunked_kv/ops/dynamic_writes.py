@@ -30,6 +30,7 @@ class DynamicWrites:
     """Unit slots written in one step: M units of the step's requests."""
 
     unit: torch.Tensor  # [M] unit index m of the request
+    row0: torch.Tensor  # [M] position of source row 0: (g - 1) * C, negative for the first frame
     src_blocks: torch.Tensor  # [M, 3C + 1] raw page of each row from position (g - 1) * C (stored rows)
     src_offsets: torch.Tensor  # [M, 3C + 1]
     src_step: torch.Tensor  # [M, 3C + 1] token index of each row computed in this step, -1 if stored
@@ -66,6 +67,7 @@ def build(batch, cfg: ChunkedKVConfig, slot_table: torch.Tensor) -> DynamicWrite
     per_page = layout.states_per_block(cfg, batch.block_size)
     return DynamicWrites(
         unit=m,
+        row0=frame_from,
         src_blocks=src_blocks,
         src_offsets=src_offsets,
         src_step=src_step,
@@ -84,11 +86,10 @@ def write(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Te
     rows = gather_rows(raw_cache, step_rows, writes.src_blocks[:, None], writes.src_offsets[:, None],
                        writes.src_step[:, None], heads[None, :, None])  # [M, Hkv, 3C + 1, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, Hkv, R, Dk], [M, Hkv, R, Dv]
-    frame = writes.unit * unit // size  # [M] the unit's frame g
-    row0 = (frame - 1) * size  # [M] position of row 0
+    row0 = writes.row0  # [M]
     cut = [row0[:, None] + j * size + boundaries.frame_cuts(cfg, keys[:, :, j * size: (j + 1) * size + 1])
            for j in range(3)]  # cuts of frames g - 1, g, g + 1: [M, Hkv] each
-    before = torch.where(frame[:, None] > 0, cut[0], -1)  # no frame before the first
+    before = torch.where(row0[:, None] >= 0, cut[0], -1)  # no frame before the first
     start = (writes.unit * unit)[:, None]  # [M, 1]
     in_frame_chunk = start <= cut[1]
     first = torch.where(in_frame_chunk, before, cut[1]) + 1  # [M, Hkv]
