@@ -4,6 +4,13 @@ The server runs in its own process group and is stopped by PID (the whole
 group, so the spawned engine goes too). Its log is kept in a file so tests
 can read what the server itself said.
 
+It serves the whole product, as the Docker setup does: unless the caller's
+environment sets `VLLM_PLUGINS`, it names the project's three plugins there
+(the backend, the metrics logger and the `/v1/chunked_kv/*` routes). vLLM
+loads endpoint plugins only when that allowlist names them, and without the
+config route a scan cannot learn the server's window and places its needles
+for an assumed long one (scan/placement.py).
+
     with VllmServer(model_dir, ["--attention-backend", "chunked_kv"]) as server:
         client = server.openai_client()
 """
@@ -25,6 +32,8 @@ from pathlib import Path
 # platform otherwise reserves a fraction of a NUMA node's memory).
 DEFAULT_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", str(64 << 20)]
+# The entry points of pyproject.toml: backend, stat logger, endpoint routes.
+PROJECT_PLUGINS = "chunked_kv,chunked_kv_metrics,chunked_kv_feedback"
 
 
 def free_port() -> int:
@@ -92,7 +101,7 @@ class VllmServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = [vllm_executable(), "serve", self.model, "--host", "127.0.0.1",
                         "--port", str(self.port), *defaults, *args]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {"VLLM_PLUGINS": PROJECT_PLUGINS, **os.environ, **(env or {})}
         self.timeout = timeout
         self.log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None

@@ -6,7 +6,9 @@
   `chunked_kv_serve.json`, and `none`.
 - A needle probe of the shipped prose task against a real `vllm serve`
   (tiny test model, CHUNKED_KV) gives a summary with every phase, and the
-  table shows it with its intervals.
+  table shows it with its intervals. Its needles are placed for the table's
+  128-token window whatever the server reports, so every row scans the
+  same prompts.
 - An unknown model name stops the demo with one line naming the known ones.
 """
 
@@ -41,6 +43,14 @@ def test_scan_of_a_served_model(tiny_llama, tmp_path, monkeypatch):
     summary = real_model.scan_mode(tiny_llama, settings, 4, tmp_path / "scan")
     needle = summary["results"]["needle"]
     assert needle["probes"] == 16 and [p["phase"] for p in needle["by_phase"]] == [0, 1, 2, 3]
+    # Placed for the table's window (not an assumed 512-token one), and judged by
+    # the server's own, which its config route reported (the launcher allowlists
+    # the project's endpoint plugin): every needle compressed, no filler added
+    # after the record beyond the task's own.
+    placed, judged = summary["settings"]["placement"], needle["window"]
+    assert (placed["source"], placed["window"]) == ("--window", real_model.CHUNKED["window"])
+    assert (judged["source"], judged["window"]) == ("server", settings["window"])
+    assert judged["inside"]["n"] == 0 and placed["min_distance"] <= judged["distance_min"] < 400
     row = {"mode": "x", "rows_per_4": real_model.rows_per_4(settings), "accuracy_ci": [0.0, 0.2], "needle": needle}
     table = real_model.format_table([row])
     assert "| x | 1 |" in table and "[0.0, 20.0]" in table

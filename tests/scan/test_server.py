@@ -20,14 +20,14 @@ from vllm_chunked_kv.local_server import VllmServer
 
 pytestmark = pytest.mark.server
 
-PLUGINS = {"VLLM_PLUGINS": "chunked_kv,chunked_kv_metrics,chunked_kv_feedback", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # VllmServer allowlists the project's plugins itself
 ARGS = ["--kv-haystack-len", "64", "--kv-records", "8", "--prompts", "4", "--per-phase", "8", "--max-tokens", "2",
         "--no-progress", "--json", "--retries", "1", "--backoff", "0.1"]
 
 
 def test_all_probes_end_to_end(tiny_llama, tmp_path, capsys):
     out = str(tmp_path / "scan")
-    with VllmServer(tiny_llama, env=PLUGINS) as server:
+    with VllmServer(tiny_llama, env=ENV) as server:
         code = main(["scan", "--base-url", f"{server.base_url}/v1", "--out", out, "--feedback", *ARGS])
         captured = capsys.readouterr()
         assert code == 0, captured.err + server.log_tail()

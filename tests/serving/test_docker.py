@@ -1,6 +1,7 @@
 """Contract of docker/ that holds without Docker: the CUDA image is pinned
 to the vLLM release pyproject's cuda extra pins; every image tag is pinned;
-both images allow exactly the plugins pyproject declares; the build context
+both images and the project's launcher (`local_server`) allow exactly the
+plugins pyproject declares; the build context
 filters keep what the images install; the compose file's mounts, build
 files, variables and Prometheus target line up; the shipped chunked_kv
 settings are a valid configuration."""
@@ -22,12 +23,22 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.local_server import PROJECT_PLUGINS
 
 from .dashboard_queries import DOCKER
 
 ROOT = DOCKER.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def declared_plugins() -> set[str]:
+    """The plugin names pyproject.toml declares, across vLLM's three plugin groups."""
+    return {
+        entry
+        for group in ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.endpoint_plugins")
+        for entry in PYPROJECT["project"]["entry-points"][group]
+    }
 VLLM_SERVICES = ("vllm-cuda", "vllm-cpu")
 
 
@@ -80,13 +91,14 @@ def test_cuda_image_pinned_to_the_cuda_extra():
 
 @pytest.mark.parametrize("name", ["Dockerfile.cuda", "Dockerfile.cpu"])
 def test_images_allow_the_declared_plugins(name):
-    declared = {
-        entry
-        for group in ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.endpoint_plugins")
-        for entry in PYPROJECT["project"]["entry-points"][group]
-    }
+    declared = declared_plugins()
     match = re.search(r"VLLM_PLUGINS=([\w,]+)", (DOCKER / name).read_text())
     assert match and set(match.group(1).split(",")) == declared
+
+
+def test_local_server_allows_the_declared_plugins():
+    """The project's own launcher (quickstart, demo, benchmarks) allowlists the same three."""
+    assert set(PROJECT_PLUGINS.split(",")) == declared_plugins()
 
 
 def test_every_image_tag_is_pinned():

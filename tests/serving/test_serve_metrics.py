@@ -19,7 +19,6 @@ from vllm_chunked_kv.local_server import VllmServer
 
 pytestmark = pytest.mark.server
 
-PLUGINS = "chunked_kv,chunked_kv_metrics,chunked_kv_feedback"
 SECTION = {"chunk_size": 8, "mitigation": "overlap", "window": 32}
 CFG = ChunkedKVConfig.from_additional_config({"chunked_kv": SECTION})
 HOP = CFG.hop  # 4: phases follow the hop, not chunk_size
@@ -29,7 +28,7 @@ HOP = CFG.hop  # 4: phases follow the hop, not chunk_size
 def server(tiny_llama):
     args = ["--attention-backend", "chunked_kv", "--max-model-len", "256",
             "--additional-config", json.dumps({"chunked_kv": SECTION})]
-    with VllmServer(tiny_llama, args, env={"VLLM_PLUGINS": PLUGINS}) as running:
+    with VllmServer(tiny_llama, args) as running:  # its default VLLM_PLUGINS names the three
         yield running
 
 

@@ -30,7 +30,6 @@ from .prometheus_server import PrometheusServer
 
 pytestmark = pytest.mark.server
 
-PLUGINS = "chunked_kv,chunked_kv_metrics,chunked_kv_feedback"
 SECTION = {"chunk_size": 16, "mitigation": "overlap", "window": 32}
 HOP = ChunkedKVConfig.from_additional_config({"chunked_kv": SECTION}).hop  # 8
 MAX_ROUNDS = 8
@@ -72,7 +71,7 @@ def stack(tiny_llama, prometheus_binary, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # Left unset, as in production: vLLM creates (and removes) the directory.
         patch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-        server = VllmServer(tiny_llama, args, env={"VLLM_PLUGINS": PLUGINS})
+        server = VllmServer(tiny_llama, args)  # its default VLLM_PLUGINS names the three
     with server:
         multiproc_dir = vllm_multiproc_dir(server.proc.pid)
         prometheus = PrometheusServer(prometheus_binary, f"127.0.0.1:{server.port}",
