@@ -56,13 +56,16 @@ def modes_for(adapted_dir: Path | None) -> list[tuple[str, Path | None, dict | N
     return rows
 
 
-def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path) -> dict:
+def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
+              window: int = CHUNKED["window"]) -> dict:
     """Serve `model` in `settings` and run the scanner's needle probe against it; its summary.
 
-    The needles are placed for the table's window (`CHUNKED`), not for what
-    the server reports: every row, the default backend's included, then
+    The needles are placed for `window` (the table's, `CHUNKED`), not for
+    what the server reports: every row, the default backend's included, then
     scans the same prompts (~440 tokens, each needle 200-400 tokens before
     the question), whatever the server answers on /v1/chunked_kv/config.
+    A longer `window` pads every prompt so the needles sit further back
+    (512: ~750-token prompts, needles 517-730 tokens before the question).
     """
     from vllm_chunked_kv.scan import cli as scan_cli
     from vllm_chunked_kv.scan.session import scan
@@ -73,7 +76,7 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path) -> 
     with VllmServer(model, mode_args(settings), defaults=SERVE_DEFAULTS, timeout=600) as server:
         args = parser.parse_args([
             "--base-url", server.base_url, "--task", str(TASK_FILE), "--probe", "needle", "--hop", "4",
-            "--per-phase", str(per_phase), "--needle-range", NEEDLE_RANGE, "--window", str(CHUNKED["window"]),
+            "--per-phase", str(per_phase), "--needle-range", NEEDLE_RANGE, "--window", str(window),
             "--max-tokens", "6",
             "--out", str(out), "--fresh", "--no-progress", "--concurrency", "16", "--timeout", "600",
         ])

@@ -1,0 +1,80 @@
+"""Retrieval of an adapted model at a chosen needle distance, through vLLM and the scanner.
+
+Serves MODEL (a directory with `chunked_kv_serve.json`, e.g. what
+`vllm-chunked-kv adapt` or `models fetch smollm2-135m --adapted` wrote) the
+way it was adapted, or with the default backend (`--default-backend`), and
+runs the scanner's needle probe with the shipped prose task. `--window`
+is the raw window the needles are placed beyond: 128 (the demo's, ~440-token
+prompts, each needle 200-400 tokens before its question) or longer (512:
+~750-token prompts, needles 517-730 tokens back). Accuracy falls with
+distance for an adapter trained on short rows, so a recipe is judged on
+both.
+
+    python benchmarks/adapt_scan.py $(vllm-chunked-kv models fetch smollm2-135m --adapted | tail -1) \\
+        --window 512 --per-phase 128 --json results/adapt_scan.json
+
+Prints one JSON object (accuracy with its Wilson interval, phase gap,
+where the needles were placed, how far back, the misses that were the
+in-window distractor's code) and writes it to `--json` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_chunked_kv.demo import real_model
+from vllm_chunked_kv.scan.stats import wilson
+from vllm_chunked_kv.serve_file import SERVE_FILE
+
+
+def distractor_codes() -> set[str]:
+    """The in-window distractor codes of the shipped task file (one per line)."""
+    lines = [json.loads(line) for line in real_model.TASK_FILE.read_text().splitlines() if line.strip()]
+    return {m.group(1) for line in lines for m in re.finditer(r"access code is (\d+)\. Nobody", line["template"])}
+
+
+def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path) -> dict:
+    settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
+    started = time.monotonic()
+    summary = real_model.scan_mode(model, settings, per_phase, out, window=window)
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    needle = summary["results"]["needle"]
+    correct = sum(r["correct"] for r in records)
+    others = distractor_codes()
+    misses = [r for r in records if not r["correct"]]
+    return {
+        "model": str(model), "served": settings or "default backend", "window": window,
+        "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
+        "probes": len(records), "correct": correct, "accuracy": correct / len(records),
+        "accuracy_ci": list(wilson(correct, len(records))), "gap": needle["gap"],
+        "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
+        "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
+        "misses_distractor": sum(r["completion"].strip().rstrip(".") in others for r in misses),
+        "seconds": round(time.monotonic() - started),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--window", type=int, default=real_model.CHUNKED["window"],
+                        help="place needles beyond this raw window (default: the demo's 128)")
+    parser.add_argument("--per-phase", type=int, default=256)
+    parser.add_argument("--default-backend", action="store_true", help="serve without chunked_kv")
+    parser.add_argument("--out", type=Path, help="scan output directory (default: a temporary one)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="adapt-scan-"))
+    result = measure(args.model, args.window, args.per_phase, args.default_backend, out)
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

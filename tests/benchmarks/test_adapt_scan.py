@@ -1,0 +1,60 @@
+"""Contract of benchmarks/adapt_scan.py, on the tiny Llama through a real `vllm serve`.
+
+- `measure` serves a model directory as its `chunked_kv_serve.json` says
+  (the server reports that file's window on its config route) and scans the shipped prose
+  task with the needles placed beyond the requested window: every needle's
+  distance is at least that window plus a chunk, and a longer window gives
+  longer prompts with the needles further back.
+- The result counts every probe, its Wilson interval contains the accuracy,
+  and the distractor misses are a subset of the misses.
+- `distractor_codes` finds one in-window distractor code per task line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from vllm_chunked_kv.demo import real_model
+from vllm_chunked_kv.serve_file import SERVE_FILE
+
+SETTINGS = {"chunk_size": 4, "window": 32, "sink_tokens": 4, "stagger": "heads"}
+
+
+@pytest.fixture(scope="module")
+def bench(load_benchmark):
+    return load_benchmark("adapt_scan")
+
+
+@pytest.fixture
+def adapted_dir(tiny_llama, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    (model / SERVE_FILE).write_text(json.dumps({"attention_backend": "chunked_kv",
+                                                "additional_config": {"chunked_kv": SETTINGS}}))
+    return model
+
+
+def test_distractor_codes_one_per_line(bench):
+    lines = real_model.TASK_FILE.read_text().splitlines()
+    codes = bench.distractor_codes()
+    assert codes and all(code.isdigit() and len(code) == 4 for code in codes)
+    assert len(codes) <= len(lines) and len(codes) > len(lines) // 2  # random 4-digit codes: few repeats
+
+
+@pytest.mark.server
+def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ["--enforce-eager", "--dtype", "float32", "--max-model-len",
+                                                       "1024", "--kv-cache-memory-bytes", str(64 << 20)])
+    near = bench.measure(adapted_dir, 128, 4, False, tmp_path / "near")
+    far = bench.measure(adapted_dir, 256, 4, False, tmp_path / "far")
+    for result, window in ((near, 128), (far, 256)):
+        assert result["window"] == window and result["served"] == SETTINGS
+        assert result["server_window"] == SETTINGS["window"]
+        assert result["probes"] == 16 and result["distance"][0] >= window + SETTINGS["chunk_size"]
+        lo, hi = result["accuracy_ci"]
+        assert lo <= result["accuracy"] <= hi
+        assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
+    assert far["prompt_tokens"][0] > near["prompt_tokens"][1] and far["distance"][0] > near["distance"][0]
