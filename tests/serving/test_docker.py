@@ -30,6 +30,7 @@ from .dashboard_queries import DOCKER
 ROOT = DOCKER.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+VLLM_SERVICES = ("vllm-cuda", "vllm-cpu")
 
 
 def declared_plugins() -> set[str]:
@@ -39,7 +40,6 @@ def declared_plugins() -> set[str]:
         for group in ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.endpoint_plugins")
         for entry in PYPROJECT["project"]["entry-points"][group]
     }
-VLLM_SERVICES = ("vllm-cuda", "vllm-cpu")
 
 
 def _env_file(path) -> dict[str, str]:
