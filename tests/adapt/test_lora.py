@@ -8,7 +8,8 @@
   model that was trained), and the merge touches exactly the target layers.
 - A saved adapter that names a layer the model does not have is refused.
 - `load_into` starts new adapters from a saved one (training it further);
-  another rank is refused.
+  a higher rank at the same alpha / rank grows it (same logits, the new
+  components train); a lower rank or another scale is refused.
 """
 
 from __future__ import annotations
@@ -97,3 +98,22 @@ def test_load_into_starts_from_a_saved_adapter(tmp_path):
     torch.testing.assert_close(fresh_model(input_ids=IDS).logits, trained, atol=2e-2, rtol=0)
     with pytest.raises(ValueError, match="rank 4"):
         lora.load_into(lora.add_lora(tiny_byte_llama(), rank=2, alpha=8, seed=0), tmp_path)
+
+
+def test_load_into_grows_the_rank(tmp_path):
+    """A rank-4 adapter loaded into rank-8 adapters at the same alpha / rank gives
+    the same logits; the new components are trainable (a gradient reaches them)."""
+    model = tiny_byte_llama()
+    adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
+    _trained_like(adapters)
+    lora.save_adapter(adapters, tmp_path, {})
+    trained = model(input_ids=IDS).logits
+    grown_model = tiny_byte_llama()
+    grown = lora.add_lora(grown_model, rank=8, alpha=16, seed=3)
+    lora.load_into(grown, tmp_path)
+    logits = grown_model(input_ids=IDS).logits
+    torch.testing.assert_close(logits, trained, atol=2e-2, rtol=0)
+    logits.float().square().mean().backward()
+    assert all(float(a.lora_b.grad[:, 4:].abs().sum()) > 0 for a in grown.values())
+    with pytest.raises(ValueError, match="alpha / rank"):
+        lora.load_into(lora.add_lora(tiny_byte_llama(), rank=8, alpha=8, seed=0), tmp_path)

@@ -107,20 +107,26 @@ def save_adapter(adapters: dict[str, LoRALinear], out_dir: Path, meta: dict) -> 
 
 
 def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
-    """Start `adapters` from a saved adapter of the same shape (to train it further)."""
+    """Start `adapters` from a saved adapter (to train it further).
+
+    The saved rank may be lower than this run's if the scale ``alpha / rank``
+    is the same: it fills the first components (A's first rows, B's first
+    columns) and the others keep their fresh start (B zero), so the adapted
+    model is unchanged until training moves them (growing the rank)."""
     from safetensors.torch import load_file
 
     meta = json.loads((adapter_dir / ADAPTER_META).read_text())
     first = next(iter(adapters.values()))
-    if (meta["rank"], meta["alpha"]) != (first.rank, first.alpha):
-        raise ValueError(f"{adapter_dir}: rank {meta['rank']}, alpha {meta['alpha']}; "
-                         f"this run has rank {first.rank}, alpha {first.alpha}")
+    saved_rank = int(meta["rank"])
+    if saved_rank > first.rank or meta["alpha"] / saved_rank != first.scale:
+        raise ValueError(f"{adapter_dir}: rank {saved_rank}, alpha {meta['alpha']}; this run has rank "
+                         f"{first.rank}, alpha {first.alpha} (a saved rank can only grow, at the same alpha / rank)")
     state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     if set(state) != set(adapter_state(adapters)):
         raise ValueError(f"{adapter_dir}: its adapted layers are not this model's")
     for path, a in adapters.items():
-        a.lora_a.data.copy_(state[f"{path}.lora_a"])
-        a.lora_b.data.copy_(state[f"{path}.lora_b"])
+        a.lora_a.data[:saved_rank].copy_(state[f"{path}.lora_a"])  # [saved_rank, in]
+        a.lora_b.data[:, :saved_rank].copy_(state[f"{path}.lora_b"])  # [out, saved_rank]
 
 
 def merge_into(model: nn.Module, adapter_dir: Path) -> int:
