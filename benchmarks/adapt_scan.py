@@ -13,7 +13,7 @@ both.
     python benchmarks/adapt_scan.py $(vllm-chunked-kv models fetch smollm2-135m --adapted | tail -1) \\
         --window 512 --per-phase 128 --json results/adapt_scan.json
 
-Prints one JSON object (accuracy with its Wilson interval, phase gap,
+Prints one JSON object (accuracy with its Wilson interval, accuracy by phase, phase gap,
 where the needles were placed, how far back, the misses that were the
 in-window distractor's code) and writes it to `--json` when given.
 """
@@ -52,6 +52,7 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
         "probes": len(records), "correct": correct, "accuracy": correct / len(records),
         "accuracy_ci": list(wilson(correct, len(records))), "gap": needle["gap"],
+        "by_phase": {str(g["phase"]): {"n": g["n"], "correct": g["correct"], "accuracy": g["accuracy"]} for g in needle["by_phase"]},
         "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
         "misses_distractor": sum(r["completion"].strip().rstrip(".") in others for r in misses),

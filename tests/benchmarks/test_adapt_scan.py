@@ -6,7 +6,8 @@
   distance is at least that window plus a chunk, and a longer window gives
   longer prompts with the needles further back.
 - The result counts every probe, its Wilson interval contains the accuracy,
-  and the distractor misses are a subset of the misses.
+  its phases (0..hop-1) add up to the probes and the correct ones, and the
+  distractor misses are a subset of the misses.
 - `distractor_codes` finds one in-window distractor code per task line.
 """
 
@@ -57,4 +58,8 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         lo, hi = result["accuracy_ci"]
         assert lo <= result["accuracy"] <= hi
         assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
+        phases = result["by_phase"]
+        assert sorted(phases) == [str(p) for p in range(SETTINGS["chunk_size"])]
+        assert sum(g["n"] for g in phases.values()) == result["probes"]
+        assert sum(g["correct"] for g in phases.values()) == result["correct"]
     assert far["prompt_tokens"][0] > near["prompt_tokens"][1] and far["distance"][0] > near["distance"][0]
