@@ -83,14 +83,19 @@ def test_merge_refuses_foreign_adapters(tmp_path):
         lora.merge_into(other, tmp_path)
 
 
-def test_load_into_starts_from_a_saved_adapter(tmp_path):
-    """A saved adapter loaded into fresh adapters of the same shape gives the same
-    logits (up to its bf16 file); one of another rank is refused."""
+def _saved_rank4_adapter(path):
+    """Save a trained-like rank-4 (alpha 8) adapter into `path`; returns its model's logits."""
     model = tiny_byte_llama()
     adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
     _trained_like(adapters)
-    lora.save_adapter(adapters, tmp_path, {})
-    trained = model(input_ids=IDS).logits
+    lora.save_adapter(adapters, path, {})
+    return model(input_ids=IDS).logits
+
+
+def test_load_into_starts_from_a_saved_adapter(tmp_path):
+    """A saved adapter loaded into fresh adapters of the same shape gives the same
+    logits (up to its bf16 file); one of another rank is refused."""
+    trained = _saved_rank4_adapter(tmp_path)
     fresh_model = tiny_byte_llama()
     fresh = lora.add_lora(fresh_model, rank=4, alpha=8, seed=3)
     assert not torch.allclose(fresh_model(input_ids=IDS).logits, trained, atol=1e-3)
@@ -102,12 +107,9 @@ def test_load_into_starts_from_a_saved_adapter(tmp_path):
 
 def test_load_into_grows_the_rank(tmp_path):
     """A rank-4 adapter loaded into rank-8 adapters at the same alpha / rank gives
-    the same logits; the new components are trainable (a gradient reaches them)."""
-    model = tiny_byte_llama()
-    adapters = lora.add_lora(model, rank=4, alpha=8, seed=0)
-    _trained_like(adapters)
-    lora.save_adapter(adapters, tmp_path, {})
-    trained = model(input_ids=IDS).logits
+    the same logits; the new components take part (a gradient reaches them);
+    another scale is refused."""
+    trained = _saved_rank4_adapter(tmp_path)
     grown_model = tiny_byte_llama()
     grown = lora.add_lora(grown_model, rank=8, alpha=16, seed=3)
     lora.load_into(grown, tmp_path)
