@@ -49,7 +49,8 @@ def test_soak_leaves_the_server_correct_and_idle(mode, tiny_llama, load_benchmar
     assert report["errors"] == {}, (report["error_examples"], server.log_tail())
     ports = Counter(re.findall(r"127\.0\.0\.1:(\d+) - \"POST /v1/completions", server.log()))
     assert sum(ports.values()) > report["requests"]
-    assert len(ports) >= 0.9 * sum(ports.values())  # not 1.0: the OS recycles ports; with keep-alive ~0.25
+    # not 1.0: the OS recycles ports (0.87 seen at 1,412 POSTs in 60 s); with keep-alive ~0.25
+    assert len(ports) >= 0.6 * sum(ports.values())
     assert report["requests"] > 0 and report["aborted"] > 0
     assert report["running_idle"] == 0 and report["kv_usage_idle"] == 0
     assert report["probes_equal"]
