@@ -119,7 +119,7 @@ def test_fetched_directory(smollm2_dir, models_cache, tmp_path):
 
 def test_default_backend_knows_paris(runs, prompts, tokenizer, smollm2_dir):
     """The default backend serves the real model: greedy, it answers the capital
-    question with Paris. Checked in fp32: in bf16 through oneDNN's AMX kernels
+    question with Paris. Checked in fp32: in bf16 on an AMX CPU
     the greedy answer of this 135M model turned into "L'Étoile, la Mar" (the
     bf16 run here still must not use CHUNKED_KV)."""
     rounds, where = prompts
