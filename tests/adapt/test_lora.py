@@ -9,7 +9,10 @@
 - A saved adapter that names a layer the model does not have is refused.
 - `load_into` starts new adapters from a saved one (training it further);
   a higher rank at the same alpha / rank grows it (same logits, the new
-  components train); a lower rank or another scale is refused.
+  components train); a lower rank or another scale is refused. An adapter
+  of the attention projections loads into a run that adds the MLPs (same
+  logits; the MLP adapters start fresh and train).
+- `parse_targets` accepts the attention and MLP projection names only.
 """
 
 from __future__ import annotations
@@ -119,3 +122,28 @@ def test_load_into_grows_the_rank(tmp_path):
     assert all(float(a.lora_b.grad[:, 4:].abs().sum()) > 0 for a in grown.values())
     with pytest.raises(ValueError, match="alpha / rank"):
         lora.load_into(lora.add_lora(tiny_byte_llama(), rank=8, alpha=8, seed=0), tmp_path)
+
+
+def test_load_into_adds_mlp_targets(tmp_path):
+    """A saved q/k/v/o adapter loaded into a run that also adapts gate/up/down gives
+    the same logits; the MLP adapters are fresh (B zero) and a gradient reaches them;
+    the reverse (a saved layer this run does not adapt) is refused."""
+    trained = _saved_rank4_adapter(tmp_path)
+    wider_model = tiny_byte_llama()
+    wider = lora.add_lora(wider_model, rank=4, alpha=8, seed=3, targets=lora.TARGETS + lora.MLP_TARGETS)
+    lora.load_into(wider, tmp_path)
+    logits = wider_model(input_ids=IDS).logits
+    torch.testing.assert_close(logits, trained, atol=2e-2, rtol=0)
+    mlp = {p: a for p, a in wider.items() if p.rsplit(".", 1)[1] in lora.MLP_TARGETS}
+    assert mlp and all(float(a.lora_b.abs().sum()) == 0 for a in mlp.values())
+    logits.float().square().mean().backward()
+    assert all(float(a.lora_b.grad.abs().sum()) > 0 for a in mlp.values())
+    with pytest.raises(ValueError, match="not among this run's"):
+        lora.load_into(lora.add_lora(tiny_byte_llama(), rank=4, alpha=8, seed=0, targets=("q_proj",)), tmp_path)
+
+
+def test_parse_targets():
+    assert lora.parse_targets("q_proj, v_proj,down_proj") == ("q_proj", "v_proj", "down_proj")
+    for bad in ("", "q_proj,lm_head", "embed_tokens"):
+        with pytest.raises(ValueError, match="targets"):
+            lora.parse_targets(bad)

@@ -1,7 +1,8 @@
-"""Low-rank adapters on the attention projections: add, switch off, save, merge.
+"""Low-rank adapters on a model's linear projections: add, switch off, save, merge.
 
-`adapt` trains only these: for each target linear layer ``W`` (q/k/v/o of
-every decoder layer) a pair ``A [rank, in]``, ``B [out, rank]`` adds
+`adapt` trains only these: for each target linear layer ``W`` (by default
+q/k/v/o of every decoder layer; `--targets` may add the MLP's
+gate/up/down) a pair ``A [rank, in]``, ``B [out, rank]`` adds
 ``scale * B @ A`` to it, ``scale = alpha / rank``. ``B`` starts at zero, so
 training starts from the model itself. Merged, the adapter is an ordinary
 weight update: the adapted model is a plain checkpoint that `vllm serve`
@@ -28,6 +29,7 @@ from torch import nn
 from vllm_chunked_kv.serve_file import SERVE_FILE
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_META = "adapter.json"
 
@@ -54,6 +56,15 @@ class LoRALinear(nn.Module):
     def delta(self) -> torch.Tensor:
         """The weight update ``[out, in]`` this adapter stands for, fp32."""
         return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """`"q_proj,k_proj,..."` -> the target names, each one of TARGETS or MLP_TARGETS."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in TARGETS + MLP_TARGETS]
+    if not names or unknown:
+        raise ValueError(f"targets: expected names among {','.join(TARGETS + MLP_TARGETS)}, got {text!r}")
+    return names
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, seed: int, targets=TARGETS) -> dict[str, LoRALinear]:
@@ -112,7 +123,9 @@ def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
     The saved rank may be lower than this run's if the scale ``alpha / rank``
     is the same: it fills the first components (A's first rows, B's first
     columns) and the others keep their fresh start (B zero), so the adapted
-    model is unchanged until training moves them (growing the rank)."""
+    model is unchanged until training moves them (growing the rank). The saved
+    adapter may cover only some of this run's layers (adding targets, e.g. the
+    MLPs to an attention adapter): the others keep their fresh start."""
     from safetensors.torch import load_file
 
     meta = json.loads((adapter_dir / ADAPTER_META).read_text())
@@ -122,9 +135,11 @@ def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
         raise ValueError(f"{adapter_dir}: rank {saved_rank}, alpha {meta['alpha']}; this run has rank "
                          f"{first.rank}, alpha {first.alpha} (a saved rank can only grow, at the same alpha / rank)")
     state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    if set(state) != set(adapter_state(adapters)):
-        raise ValueError(f"{adapter_dir}: its adapted layers are not this model's")
+    if not set(state) <= set(adapter_state(adapters)):
+        raise ValueError(f"{adapter_dir}: its adapted layers are not among this run's")
     for path, a in adapters.items():
+        if f"{path}.lora_a" not in state:
+            continue
         a.lora_a.data[:saved_rank].copy_(state[f"{path}.lora_a"])  # [saved_rank, in]
         a.lora_b.data[:, :saved_rank].copy_(state[f"{path}.lora_b"])  # [out, saved_rank]
 

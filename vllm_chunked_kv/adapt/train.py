@@ -1,4 +1,4 @@
-"""The adaptation loop: LoRA on the attention projections, distilled from the model's own full attention.
+"""The adaptation loop: LoRA on the attention projections (optionally the MLPs), distilled from the model's own full attention.
 
 Each step (docs/adapt.md has the reasons and what was tried):
 
@@ -51,6 +51,7 @@ class AdaptOptions:
     warmup: int = 20
     rank: int = 16
     alpha: float = 32.0
+    targets: str = ",".join(lora.TARGETS)  # the projections to adapt, comma-separated (lora.TARGETS, MLP_TARGETS)
     ce_weight: float = 1.0
     min_questions: int = 1  # questions per retrieval row, at least (capped by the row's 2-6 facts)
     max_questions: int = 3  # and at most
@@ -148,7 +149,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     import json
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    adapters = lora.add_lora(model, opts.rank, opts.alpha, opts.seed)
+    adapters = lora.add_lora(model, opts.rank, opts.alpha, opts.seed, targets=lora.parse_targets(opts.targets))
     params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     work_dir.mkdir(parents=True, exist_ok=True)
