@@ -15,7 +15,8 @@ both.
 
 Prints one JSON object (accuracy with its Wilson interval, accuracy by phase, phase gap,
 where the needles were placed, how far back, the misses that were the
-in-window distractor's code) and writes it to `--json` when given.
+in-window distractor's code, and the misses that were the right digits in
+another order: a mean-pooled row holds its tokens without their order) and writes it to `--json` when given.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def distractor_codes() -> set[str]:
     return {m.group(1) for line in lines for m in re.finditer(r"access code is (\d+)\. Nobody", line["template"])}
 
 
+def reordered(answer: str, completion: str) -> bool:
+    """Whether `completion` gives the digits of `answer` in another order ("7331" for "7313")."""
+    said = completion.strip().rstrip(".").strip()
+    return said != answer and sorted(said) == sorted(answer)
+
+
 def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path) -> dict:
     settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
     started = time.monotonic()
@@ -56,6 +63,7 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
         "misses_distractor": sum(r["completion"].strip().rstrip(".") in others for r in misses),
+        "misses_reordered": sum(reordered(r["answer"], r["completion"]) for r in misses),
         "seconds": round(time.monotonic() - started),
     }
 

@@ -7,7 +7,8 @@
   longer prompts with the needles further back.
 - The result counts every probe, its Wilson interval contains the accuracy,
   its phases (0..hop-1) add up to the probes and the correct ones, and the
-  distractor misses are a subset of the misses.
+  distractor misses and the reordered misses are subsets of the misses.
+- `reordered` is true for the right digits in another order only.
 - `distractor_codes` finds one in-window distractor code per task line.
 """
 
@@ -45,6 +46,12 @@ def test_distractor_codes_one_per_line(bench):
     assert len(codes) <= len(lines) and len(codes) > len(lines) // 2  # random 4-digit codes: few repeats
 
 
+def test_reordered(bench):
+    assert bench.reordered("7313", " 7331.") and bench.reordered("5983", "5938")
+    assert not bench.reordered("7313", " 7313.")  # right
+    assert not bench.reordered("7313", " 731.\n") and not bench.reordered("7313", "7314")  # a digit lost or wrong
+
+
 @pytest.mark.server
 def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ["--enforce-eager", "--dtype", "float32", "--max-model-len",
@@ -58,6 +65,7 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         lo, hi = result["accuracy_ci"]
         assert lo <= result["accuracy"] <= hi
         assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
+        assert 0 <= result["misses_reordered"] <= result["probes"] - result["correct"]
         phases = result["by_phase"]
         assert sorted(phases) == [str(p) for p in range(SETTINGS["chunk_size"])]
         assert sum(g["n"] for g in phases.values()) == result["probes"]
