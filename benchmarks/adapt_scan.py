@@ -15,8 +15,11 @@ both.
 
 Prints one JSON object (accuracy with its Wilson interval, accuracy by phase, phase gap,
 where the needles were placed, how far back, the misses that were the
-in-window distractor's code, and the misses that were the right digits in
-another order: a mean-pooled row holds its tokens without their order) and writes it to `--json` when given.
+in-window distractor's code, the misses that were the right digits in
+another order (a mean-pooled row holds its tokens without their order), and
+the misses that swapped two neighbouring digits, by the phase of the first
+of the two: a pair that no KV head's grid separates is the one read in the
+wrong order) and writes it to `--json` when given.
 """
 
 from __future__ import annotations
@@ -45,6 +48,40 @@ def reordered(answer: str, completion: str) -> bool:
     return said != answer and sorted(said) == sorted(answer)
 
 
+def adjacent_swap(answer: str, completion: str) -> int | None:
+    """Index i if `completion` is `answer` with digits i and i+1 swapped ("7331" for "7313": 2), else None."""
+    said = completion.strip().rstrip(".").strip()
+    diff = [i for i in range(len(answer)) if i >= len(said) or said[i] != answer[i]]
+    if len(said) != len(answer) or len(diff) != 2 or diff[1] != diff[0] + 1:
+        return None
+    i = diff[0]
+    return i if (said[i], said[i + 1]) == (answer[i + 1], answer[i]) else None
+
+
+def swaps_by_pair_phase(records: list[dict], model: Path, hop: int) -> dict[str, int]:
+    """Adjacent-swap misses counted by the phase (token position mod hop) of the first swapped digit.
+
+    A record's `position` is its first token's; the code's digits follow at
+    the offset where they sit in the record's own tokens (one token a digit;
+    a record whose tokenizer merges digits is skipped)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lines = [json.loads(line) for line in real_model.TASK_FILE.read_text().splitlines() if line.strip()]
+    counts = {str(p): 0 for p in range(hop)}
+    for r in records:
+        i = None if r["correct"] else adjacent_swap(r["answer"], r["completion"])
+        if i is None:
+            continue
+        line = lines[int(r["probe_id"].rsplit(":", 1)[1]) % len(lines)]  # user_task.needle_items: line i mod lines
+        pieces = [tokenizer.decode([t]) for t in tokenizer.encode(line["record"], add_special_tokens=False)]
+        n = len(r["answer"])
+        first = next((j for j in range(len(pieces) - n + 1) if pieces[j : j + n] == list(r["answer"])), None)
+        if first is not None:
+            counts[str((r["position"] + first + i) % hop)] += 1
+    return counts
+
+
 def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path) -> dict:
     settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
     started = time.monotonic()
@@ -64,6 +101,7 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
         "misses_distractor": sum(r["completion"].strip().rstrip(".") in others for r in misses),
         "misses_reordered": sum(reordered(r["answer"], r["completion"]) for r in misses),
+        "swaps_by_pair_phase": swaps_by_pair_phase(records, model, len(needle["by_phase"])),  # one group a phase
         "seconds": round(time.monotonic() - started),
     }
 

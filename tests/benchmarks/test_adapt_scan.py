@@ -8,7 +8,10 @@
 - The result counts every probe, its Wilson interval contains the accuracy,
   its phases (0..hop-1) add up to the probes and the correct ones, and the
   distractor misses and the reordered misses are subsets of the misses.
-- `reordered` is true for the right digits in another order only.
+- `reordered` is true for the right digits in another order only;
+  `adjacent_swap` names the first of two swapped neighbours, only for a
+  single swap of neighbours; the swaps by pair phase, one count per phase,
+  add up to at most the reordered misses.
 - `distractor_codes` finds one in-window distractor code per task line.
 """
 
@@ -52,6 +55,15 @@ def test_reordered(bench):
     assert not bench.reordered("7313", " 731.\n") and not bench.reordered("7313", "7314")  # a digit lost or wrong
 
 
+
+def test_adjacent_swap(bench):
+    assert bench.adjacent_swap("7313", " 7331.") == 2 and bench.adjacent_swap("8299", "8929") == 1
+    assert bench.adjacent_swap("5983", "9583") == 0
+    assert bench.adjacent_swap("7313", "7313") is None  # right
+    assert bench.adjacent_swap("1234", "3214") is None and bench.adjacent_swap("1234", "2143") is None  # not one neighbour swap
+    assert bench.adjacent_swap("7313", "731") is None and bench.adjacent_swap("7313", "7314") is None
+
+
 @pytest.mark.server
 def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ["--enforce-eager", "--dtype", "float32", "--max-model-len",
@@ -66,6 +78,8 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         assert lo <= result["accuracy"] <= hi
         assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
         assert 0 <= result["misses_reordered"] <= result["probes"] - result["correct"]
+        assert sorted(result["swaps_by_pair_phase"]) == sorted(phases)
+        assert sum(result["swaps_by_pair_phase"].values()) <= result["misses_reordered"]
         phases = result["by_phase"]
         assert sorted(phases) == [str(p) for p in range(SETTINGS["chunk_size"])]
         assert sum(g["n"] for g in phases.values()) == result["probes"]
