@@ -55,7 +55,6 @@ def test_reordered(bench):
     assert not bench.reordered("7313", " 731.\n") and not bench.reordered("7313", "7314")  # a digit lost or wrong
 
 
-
 def test_adjacent_swap(bench):
     assert bench.adjacent_swap("7313", " 7331.") == 2 and bench.adjacent_swap("8299", "8929") == 1
     assert bench.adjacent_swap("5983", "9583") == 0
@@ -78,9 +77,9 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         assert lo <= result["accuracy"] <= hi
         assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
         assert 0 <= result["misses_reordered"] <= result["probes"] - result["correct"]
+        phases = result["by_phase"]
         assert sorted(result["swaps_by_pair_phase"]) == sorted(phases)
         assert sum(result["swaps_by_pair_phase"].values()) <= result["misses_reordered"]
-        phases = result["by_phase"]
         assert sorted(phases) == [str(p) for p in range(SETTINGS["chunk_size"])]
         assert sum(g["n"] for g in phases.values()) == result["probes"]
         assert sum(g["correct"] for g in phases.values()) == result["correct"]
