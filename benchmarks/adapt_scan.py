@@ -36,10 +36,20 @@ from vllm_chunked_kv.scan.stats import wilson
 from vllm_chunked_kv.serve_file import SERVE_FILE
 
 
-def distractor_codes() -> set[str]:
-    """The in-window distractor codes of the shipped task file (one per line)."""
-    lines = [json.loads(line) for line in real_model.TASK_FILE.read_text().splitlines() if line.strip()]
-    return {m.group(1) for line in lines for m in re.finditer(r"access code is (\d+)\. Nobody", line["template"])}
+def task_lines() -> list[dict]:
+    """The shipped task file's needle items, one per line (a probe's item is line i mod lines)."""
+    return [json.loads(line) for line in real_model.TASK_FILE.read_text().splitlines() if line.strip()]
+
+
+def line_of(record: dict, lines: list[dict]) -> dict:
+    """The task line a scanner record asked about (user_task.needle_items: line i mod lines)."""
+    return lines[int(record["probe_id"].rsplit(":", 1)[1]) % len(lines)]
+
+
+def distractor_code(line: dict) -> str | None:
+    """The code of the line's in-window distractor record, None if it has none."""
+    found = re.search(r"access code is (\d+)\. Nobody", line["template"])
+    return found.group(1) if found else None
 
 
 def reordered(answer: str, completion: str) -> bool:
@@ -67,13 +77,13 @@ def swaps_by_pair_phase(records: list[dict], model: Path, hop: int) -> dict[str,
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    lines = [json.loads(line) for line in real_model.TASK_FILE.read_text().splitlines() if line.strip()]
+    lines = task_lines()
     counts = {str(p): 0 for p in range(hop)}
     for r in records:
         i = None if r["correct"] else adjacent_swap(r["answer"], r["completion"])
         if i is None:
             continue
-        line = lines[int(r["probe_id"].rsplit(":", 1)[1]) % len(lines)]  # user_task.needle_items: line i mod lines
+        line = line_of(r, lines)
         pieces = [tokenizer.decode([t]) for t in tokenizer.encode(line["record"], add_special_tokens=False)]
         n = len(r["answer"])
         first = next((j for j in range(len(pieces) - n + 1) if pieces[j : j + n] == list(r["answer"])), None)
@@ -89,7 +99,7 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     needle = summary["results"]["needle"]
     correct = sum(r["correct"] for r in records)
-    others = distractor_codes()
+    lines = task_lines()
     misses = [r for r in records if not r["correct"]]
     return {
         "model": str(model), "served": settings or "default backend", "window": window,
@@ -99,7 +109,9 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "by_phase": {str(g["phase"]): {"n": g["n"], "correct": g["correct"], "accuracy": g["accuracy"]} for g in needle["by_phase"]},
         "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
-        "misses_distractor": sum(r["completion"].strip().rstrip(".") in others for r in misses),
+        "misses_distractor": sum(r["completion"].strip().rstrip(".").strip() == distractor_code(line_of(r, lines))
+                                 for r in misses),  # the prompt's own distractor
+        "needles": len({line_of(r, lines)["record"] for r in records}),  # distinct facts: each is asked at every phase
         "misses_reordered": sum(reordered(r["answer"], r["completion"]) for r in misses),
         "swaps_by_pair_phase": swaps_by_pair_phase(records, model, len(needle["by_phase"])),  # one group a phase
         "seconds": round(time.monotonic() - started),

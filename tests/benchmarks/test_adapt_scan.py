@@ -12,7 +12,9 @@
   `adjacent_swap` names the first of two swapped neighbours, only for a
   single swap of neighbours; the swaps by pair phase, one count per phase,
   add up to at most the reordered misses.
-- `distractor_codes` finds one in-window distractor code per task line.
+- `distractor_code` finds each task line's in-window distractor code, and
+  `line_of` maps a scanner record to the line it asked about; a miss counts
+  as the distractor's only when it is that prompt's own distractor code.
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ def adapted_dir(tiny_llama, tmp_path):
     return model
 
 
-def test_distractor_codes_one_per_line(bench):
-    lines = real_model.TASK_FILE.read_text().splitlines()
-    codes = bench.distractor_codes()
-    assert codes and all(code.isdigit() and len(code) == 4 for code in codes)
-    assert len(codes) <= len(lines) and len(codes) > len(lines) // 2  # random 4-digit codes: few repeats
+def test_distractor_code_per_line(bench):
+    lines = bench.task_lines()
+    codes = [bench.distractor_code(line) for line in lines]
+    assert len(lines) == len(real_model.TASK_FILE.read_text().splitlines())
+    assert all(code and code.isdigit() and len(code) == 4 for code in codes)
+    assert all(code not in line["record"] for code, line in zip(codes, lines))  # not the asked code
+    assert bench.distractor_code({"template": "no record here"}) is None
+    assert bench.line_of({"probe_id": "needle:2:1"}, lines) is lines[1]
+    assert bench.line_of({"probe_id": f"needle:0:{len(lines) + 3}"}, lines) is lines[3]
 
 
 def test_reordered(bench):
@@ -76,6 +82,7 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         lo, hi = result["accuracy_ci"]
         assert lo <= result["accuracy"] <= hi
         assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
+        assert 0 < result["needles"] <= result["probes"]
         assert 0 <= result["misses_reordered"] <= result["probes"] - result["correct"]
         phases = result["by_phase"]
         assert sorted(result["swaps_by_pair_phase"]) == sorted(phases)
