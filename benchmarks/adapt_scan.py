@@ -52,32 +52,36 @@ def distractor_code(line: dict) -> str | None:
     return found.group(1) if found else None
 
 
+def said(completion: str) -> str:
+    """The code a completion gives: " 7313." -> "7313"."""
+    return completion.strip().rstrip(".").strip()
+
+
 def reordered(answer: str, completion: str) -> bool:
     """Whether `completion` gives the digits of `answer` in another order ("7331" for "7313")."""
-    said = completion.strip().rstrip(".").strip()
-    return said != answer and sorted(said) == sorted(answer)
+    code = said(completion)
+    return code != answer and sorted(code) == sorted(answer)
 
 
 def adjacent_swap(answer: str, completion: str) -> int | None:
     """Index i if `completion` is `answer` with digits i and i+1 swapped ("7331" for "7313": 2), else None."""
-    said = completion.strip().rstrip(".").strip()
-    diff = [i for i in range(len(answer)) if i >= len(said) or said[i] != answer[i]]
-    if len(said) != len(answer) or len(diff) != 2 or diff[1] != diff[0] + 1:
+    code = said(completion)
+    diff = [i for i in range(len(answer)) if i >= len(code) or code[i] != answer[i]]
+    if len(code) != len(answer) or len(diff) != 2 or diff[1] != diff[0] + 1:
         return None
     i = diff[0]
-    return i if (said[i], said[i + 1]) == (answer[i + 1], answer[i]) else None
+    return i if (code[i], code[i + 1]) == (answer[i + 1], answer[i]) else None
 
 
-def swaps_by_pair_phase(records: list[dict], model: Path, hop: int) -> dict[str, int]:
+def swaps_by_pair_phase(records: list[dict], lines: list[dict], model: Path, hop: int) -> dict[str, int]:
     """Adjacent-swap misses counted by the phase (token position mod hop) of the first swapped digit.
 
-    A record's `position` is its first token's; the code's digits follow at
+    `lines` are `task_lines()`. A record's `position` is its first token's; the code's digits follow at
     the offset where they sit in the record's own tokens (one token a digit;
     a record whose tokenizer merges digits is skipped)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    lines = task_lines()
     counts = {str(p): 0 for p in range(hop)}
     for r in records:
         i = None if r["correct"] else adjacent_swap(r["answer"], r["completion"])
@@ -109,11 +113,11 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "by_phase": {str(g["phase"]): {"n": g["n"], "correct": g["correct"], "accuracy": g["accuracy"]} for g in needle["by_phase"]},
         "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
-        "misses_distractor": sum(r["completion"].strip().rstrip(".").strip() == distractor_code(line_of(r, lines))
-                                 for r in misses),  # the prompt's own distractor
+        # a miss that is the prompt's own in-window distractor code
+        "misses_distractor": sum(said(r["completion"]) == distractor_code(line_of(r, lines)) for r in misses),
         "needles": len({line_of(r, lines)["record"] for r in records}),  # distinct facts: each is asked at every phase
         "misses_reordered": sum(reordered(r["answer"], r["completion"]) for r in misses),
-        "swaps_by_pair_phase": swaps_by_pair_phase(records, model, len(needle["by_phase"])),  # one group a phase
+        "swaps_by_pair_phase": swaps_by_pair_phase(records, lines, model, len(needle["by_phase"])),  # one group a phase
         "seconds": round(time.monotonic() - started),
     }
 
