@@ -37,6 +37,7 @@ CASES = {
     "stagger-heads": dict(mitigation="stagger", sink_tokens=1),
     "stagger-gated": dict(mitigation="stagger", pooling="gated", slot_gains=GAINS),
     "stagger-key_norm": dict(mitigation="stagger", pooling="key_norm", sink_tokens=2),
+    "stagger-layers": dict(stagger="layers", sink_tokens=1),
     "no-proportional": dict(mitigation="none", proportional=False),
     "align-stagger": dict(mitigation="stagger", sink_tokens=1, align="prompt_end"),
     "dynamic": dict(boundaries="dynamic", min_chunk=2, sink_tokens=1),

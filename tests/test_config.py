@@ -92,6 +92,7 @@ def test_presets_fill_fields(settings, chunk_size, hop, keep_boundary, stagger):
         ({"stagger": [[0, 4]]}, "stagger[0]"),
         ({"stagger": [[0, 1], [-1, 0]]}, "stagger[1]"),
         ({"stagger": "heads", "stagger_groups": 3}, "stagger_groups"),
+        ({"stagger": "layers", "stagger_groups": 3}, "stagger_groups"),
         ({"stagger": "heads", "stagger_groups": 0}, "stagger_groups"),
         ({"stagger": "heads", "chunk_size": 1, "window": 4}, "stagger_groups"),
         ({"stagger_groups": 4}, "stagger_groups"),
@@ -225,6 +226,10 @@ def test_origins():
     assert four.origins(0, 6) == [0, 2, 4, 6, 0, 2]
     overlap = ChunkedKVConfig(mitigation="overlap", chunk_size=8, stagger="heads")
     assert overlap.origins(0, 2) == [0, 2]
+    layers = ChunkedKVConfig(stagger="layers")  # the 'heads' origins moved on by the layer index, mod hop
+    assert [layers.origins(layer, 3) for layer in range(5)] == [[0, 2, 0], [1, 3, 1], [2, 0, 2], [3, 1, 3], [0, 2, 0]]
+    eight = ChunkedKVConfig(chunk_size=8, stagger="layers", stagger_groups=4)
+    assert eight.origins(7, 4) == [7, 1, 3, 5]
     explicit = ChunkedKVConfig(stagger=[[0, 2], [1, 3]])
     assert explicit.origins(1, 2) == [1, 3]
     explicit.check_model(2, 2)

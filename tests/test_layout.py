@@ -67,6 +67,7 @@ def test_raw_window_covers_every_read(settings):
 @pytest.mark.parametrize("settings, want", [
     ({"sink_tokens": 2}, 2),
     ({"sink_tokens": 2, "stagger": [[3, 0]]}, 3),
+    ({"sink_tokens": 2, "stagger": "layers"}, 3),
     ({"sink_tokens": 2, "align": "prompt_end", "chunk_size": 8}, 7),
     ({"sink_tokens": 9, "align": "prompt_end"}, 9),
 ])

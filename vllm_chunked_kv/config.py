@@ -131,14 +131,16 @@ class _ChunkedKVFields(BaseModel):
     (keep_boundary), overlap (hop = chunk_size / 2), stride2 (chunk_size =
     hop = 2), stagger (stagger = 'heads')."""
 
-    stagger: Literal["none", "heads"] | list[list[int]] = "none"
+    stagger: Literal["none", "heads", "layers"] | list[list[int]] = "none"
     """Per-KV-head grid origins (docs/design.md §10): 'none' (all 0), 'heads' (KV
     head h, counted globally, starts at (h mod stagger_groups) * hop /
-    stagger_groups), or an explicit per-layer list of per-KV-head origins,
-    each in [0, hop)."""
+    stagger_groups), 'layers' (the 'heads' origins moved on by the layer
+    index, mod hop: layer l, head h starts at (l + (h mod stagger_groups) *
+    hop / stagger_groups) mod hop), or an explicit per-layer list of
+    per-KV-head origins, each in [0, hop)."""
 
     stagger_groups: int = Field(default=2, ge=1)
-    """Number of distinct origins for stagger 'heads'; must divide hop."""
+    """Number of distinct origins for stagger 'heads' or 'layers'; must divide hop."""
 
     align: Literal["none", "prompt_end"] = "none"
     """Per-request grid alignment (docs/design.md §10): 'none' (every request's
@@ -181,7 +183,7 @@ class _ChunkedKVFields(BaseModel):
     @field_validator("stagger", mode="before")
     @classmethod
     def _check_stagger_shape(cls, value: Any) -> Any:
-        if isinstance(value, str) and value in ("none", "heads"):
+        if isinstance(value, str) and value in ("none", "heads", "layers"):
             return value
         shape_ok = isinstance(value, list) and len(value) > 0 and all(
             isinstance(layer, list) and len(layer) > 0
@@ -190,7 +192,7 @@ class _ChunkedKVFields(BaseModel):
         )
         if not shape_ok:
             raise ValueError(
-                "must be 'none', 'heads' or a non-empty list of per-layer, non-empty lists "
+                "must be 'none', 'heads', 'layers' or a non-empty list of per-layer, non-empty lists "
                 f"of integer origins (got {value!r})"
             )
         return value
@@ -314,9 +316,10 @@ class ChunkedKVConfig(_ChunkedKVFields):
         """Grid origin of each KV head (global index) of one layer."""
         if self.stagger == "none":
             return [0] * num_kv_heads_total
-        if self.stagger == "heads":
+        if self.stagger in ("heads", "layers"):
             step = self.hop // self.stagger_groups
-            return [(h % self.stagger_groups) * step for h in range(num_kv_heads_total)]
+            shift = layer_idx if self.stagger == "layers" else 0
+            return [(shift + (h % self.stagger_groups) * step) % self.hop for h in range(num_kv_heads_total)]
         self.check_model(layer_idx + 1, num_kv_heads_total, exact_layers=False)
         return list(self.stagger[layer_idx])
 
@@ -387,11 +390,11 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
     problem = boundaries.settings_problem(cfg)
     if problem:
         raise fail(*problem)
-    if cfg.stagger == "heads":
+    if cfg.stagger in ("heads", "layers"):
         if hop % cfg.stagger_groups:
-            raise fail("stagger_groups", f"must divide hop {hop} for stagger 'heads' (got {cfg.stagger_groups})")
+            raise fail("stagger_groups", f"must divide hop {hop} for stagger {cfg.stagger!r} (got {cfg.stagger_groups})")
     elif cfg.stagger_groups != _ChunkedKVFields.model_fields["stagger_groups"].default:
-        raise fail("stagger_groups", f"only used with stagger 'heads' (stagger is {cfg.stagger!r})")
+        raise fail("stagger_groups", f"only used with stagger 'heads' or 'layers' (stagger is {cfg.stagger!r})")
     if isinstance(cfg.stagger, list):
         for layer, heads in enumerate(cfg.stagger):
             bad = [o for o in heads if not 0 <= o < hop]

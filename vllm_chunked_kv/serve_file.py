@@ -23,7 +23,7 @@ def serve_settings(cfg: ChunkedKVConfig) -> dict:
         "chunk_size": cfg.chunk_size, "hop": cfg.hop, "window": cfg.window, "sink_tokens": cfg.sink_tokens,
         "pooling": cfg.pooling, "stagger": cfg.stagger,
     }
-    if cfg.stagger == "heads":
+    if cfg.stagger in ("heads", "layers"):
         settings["stagger_groups"] = cfg.stagger_groups
     if cfg.keep_boundary:
         settings["keep_boundary"] = True

@@ -19,7 +19,7 @@ from vllm_chunked_kv.cli import main
 from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
 from vllm_chunked_kv.testing.engine_run import generate
 
-SETTINGS = {"chunked_kv": {"chunk_size": 4, "window": 16, "sink_tokens": 4, "stagger": "heads"}}
+SETTINGS = {"chunked_kv": {"chunk_size": 4, "window": 16, "sink_tokens": 4, "stagger": "layers"}}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_adapt_writes_a_servable_directory(adapted, tiny_llama, capsys):
     for name in ("config.json", "model.safetensors", "tokenizer.json", SERVE_FILE, "ADAPT.md",
                  "adapter/adapter.safetensors", "adapter/adapter.json", "work/checkpoint.pt"):
         assert (out / name).is_file(), name
-    assert read_serve_config(out).stagger == "heads" and read_serve_config(out).window == 16
+    assert read_serve_config(out).stagger == "layers" and read_serve_config(out).window == 16
     assert "probe" in (out / "ADAPT.md").read_text()
     base, merged = load_file(str(tiny_llama / "model.safetensors")), load_file(str(out / "model.safetensors"))
     changed = {k for k in base if not base[k].float().equal(merged[k].float())}

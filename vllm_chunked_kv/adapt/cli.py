@@ -1,7 +1,7 @@
 """`vllm-chunked-kv adapt MODEL_DIR --out DIR`: teach a model to read its chunked KV cache.
 
     vllm-chunked-kv adapt MODEL_DIR --out DIR \\
-        [--config '{"chunked_kv": {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger": "heads"}}'] \\
+        [--config '{"chunked_kv": {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger": "layers"}}'] \\
         [--steps 450] [--seed 0] [--threads 2]
 
 Fine-tunes low-rank adapters on the attention projections (`adapt.train`)
@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger": "heads"}
+DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger": "layers"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

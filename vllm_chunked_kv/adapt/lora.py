@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,7 +132,7 @@ def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
     meta = json.loads((adapter_dir / ADAPTER_META).read_text())
     first = next(iter(adapters.values()))
     saved_rank = int(meta["rank"])
-    if saved_rank > first.rank or meta["alpha"] / saved_rank != first.scale:
+    if saved_rank > first.rank or not math.isclose(meta["alpha"] / saved_rank, first.scale):
         raise ValueError(f"{adapter_dir}: rank {saved_rank}, alpha {meta['alpha']}; this run has rank "
                          f"{first.rank}, alpha {first.alpha} (a saved rank can only grow, at the same alpha / rank)")
     state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))

@@ -31,6 +31,9 @@ def _describe(cfg: ChunkedKVConfig) -> str:
     text = f"{pooling}, chunk_size {cfg.chunk_size}, window {cfg.window}, {cfg.sink_tokens} sinks"
     if cfg.stagger == "heads":
         text += f", staggered grids (KV head h starts at (h mod {cfg.stagger_groups}) * hop / {cfg.stagger_groups})"
+    elif cfg.stagger == "layers":
+        text += (f", staggered grids (KV head h of layer l starts at (l + (h mod {cfg.stagger_groups})"
+                 f" * hop / {cfg.stagger_groups}) mod hop)")
     elif cfg.stagger != "none":
         text += f", staggered grids (origins per layer and KV head {cfg.stagger})"
     return text

@@ -27,6 +27,7 @@ a CUDA process never compiles the C++ CPU kernels.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -89,7 +90,7 @@ def _extension(impl: str):
 
 def _triton_reasons(device: torch.device) -> list[str]:
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError as exc:
         return [f"triton is not installed ({exc})"]
     if device.type == "cuda":
