@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from vllm_chunked_kv.demo import real_model
-from vllm_chunked_kv.scan.stats import wilson
+from vllm_chunked_kv.scan.stats import clustered_wilson, wilson
 from vllm_chunked_kv.serve_file import SERVE_FILE
 
 
@@ -96,6 +96,16 @@ def swaps_by_pair_phase(records: list[dict], lines: list[dict], model: Path, hop
     return counts
 
 
+def by_needle_ci(records: list[dict], lines: list[dict]) -> dict:
+    """The accuracy interval with the probes of one needle (its phases) as one
+    cluster (`stats.clustered_wilson`): misses cluster by needle."""
+    hits: dict[str, list[int]] = {}
+    for r in records:
+        hits.setdefault(line_of(r, lines)["record"], []).append(bool(r["correct"]))
+    n_eff, low, high = clustered_wilson([sum(h) for h in hits.values()], [len(h) for h in hits.values()])
+    return {"n_eff": round(n_eff, 1), "ci": [low, high]}
+
+
 def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path) -> dict:
     settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
     started = time.monotonic()
@@ -109,7 +119,8 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "model": str(model), "served": settings or "default backend", "window": window,
         "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
         "probes": len(records), "correct": correct, "accuracy": correct / len(records),
-        "accuracy_ci": list(wilson(correct, len(records))), "gap": needle["gap"],
+        "accuracy_ci": list(wilson(correct, len(records))), "accuracy_ci_by_needle": by_needle_ci(records, lines),
+        "gap": needle["gap"],
         "by_phase": {str(g["phase"]): {"n": g["n"], "correct": g["correct"], "accuracy": g["accuracy"]} for g in needle["by_phase"]},
         "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],

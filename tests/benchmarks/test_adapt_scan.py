@@ -12,6 +12,9 @@
   `adjacent_swap` names the first of two swapped neighbours, only for a
   single swap of neighbours; the swaps by pair phase, one count per phase,
   add up to at most the reordered misses.
+- `by_needle_ci` takes the probes of one needle as one cluster: when each
+  needle is right at all its phases or at none, its interval is the one of
+  the needles alone, wider than the probes' Wilson interval.
 - `distractor_code` finds each task line's in-window distractor code, and
   `line_of` maps a scanner record to the line it asked about; a miss counts
   as the distractor's only when it is that prompt's own distractor code.
@@ -55,6 +58,17 @@ def test_distractor_code_per_line(bench):
     assert bench.line_of({"probe_id": f"needle:0:{len(lines) + 3}"}, lines) is lines[3]
 
 
+def test_by_needle_ci_clusters_the_phases_of_a_needle(bench):
+    lines = bench.task_lines()
+    # needles 0..9 asked at 4 phases each (probe ids needle:phase:i, line i mod lines)
+    records = [{"probe_id": f"needle:{phase}:{i}", "correct": i < 6} for i in range(10) for phase in range(4)]
+    clustered = bench.by_needle_ci(records, lines)
+    assert clustered["n_eff"] == pytest.approx(9, abs=0.05)  # 10 needles, less the finite-cluster factor
+    low, high = clustered["ci"]
+    plain = bench.wilson(24, 40)
+    assert low < plain[0] and high > plain[1]
+
+
 def test_reordered(bench):
     assert bench.reordered("7313", " 7331.") and bench.reordered("5983", "5938")
     assert not bench.reordered("7313", " 7313.")  # right
@@ -81,6 +95,8 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         assert result["probes"] == 16 and result["distance"][0] >= window + SETTINGS["chunk_size"]
         lo, hi = result["accuracy_ci"]
         assert lo <= result["accuracy"] <= hi
+        lo, hi = result["accuracy_ci_by_needle"]["ci"]
+        assert lo <= result["accuracy"] <= hi and result["accuracy_ci_by_needle"]["n_eff"] <= result["probes"]
         assert 0 <= result["misses_distractor"] <= result["probes"] - result["correct"]
         assert 0 < result["needles"] <= result["probes"]
         assert 0 <= result["misses_reordered"] <= result["probes"] - result["correct"]

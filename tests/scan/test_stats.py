@@ -13,11 +13,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from scipy.stats import binom
 
-from vllm_chunked_kv.scan.stats import chi2_independence, compare_groups, newcombe_difference, wilson
+from vllm_chunked_kv.scan.stats import (
+    chi2_independence, clustered_wilson, compare_groups, newcombe_difference, wilson,
+)
 
 
 def test_wilson_published_values():
@@ -88,3 +91,28 @@ def test_empty_groups_are_reported_but_not_compared():
     result = compare_groups([0, 1, 2], [9, 0, 3], [10, 0, 10])
     assert math.isnan(result.groups[1].accuracy)
     assert (result.gap.best, result.gap.worst) == (0, 2)
+
+
+def test_clustered_wilson_counts_a_cluster_of_equal_outcomes_once():
+    """Needles right at all 4 phases or at none: the probes of one needle tell
+    no more than one, so the interval is Wilson's on the needles (K - 1 with
+    the finite-cluster factor), far wider than on the probes."""
+    correct, total = [4] * 150 + [0] * 50, [4] * 200
+    n_eff, low, high = clustered_wilson(correct, total)
+    assert n_eff == pytest.approx(199)
+    assert (low, high) == pytest.approx(wilson(0.75 * 199, 199))
+    plain = wilson(600, 800)
+    assert high - low > 1.9 * (plain[1] - plain[0])
+
+
+def test_clustered_wilson_is_wilson_for_independent_trials():
+    """Outcomes spread evenly over clusters (no clustering) keep the plain interval;
+    negatively correlated ones never make it narrower; n = 0 is uninformative."""
+    even = [3] * 200  # every needle right at 3 of its 4 phases: less spread than binomial
+    assert clustered_wilson(even, [4] * 200) == pytest.approx((800, *wilson(600, 800)))
+    rng = random.Random(0)
+    independent = [sum(rng.random() < 0.75 for _ in range(4)) for _ in range(2000)]
+    n_eff, low, high = clustered_wilson(independent, [4] * 2000)
+    assert 0.85 * 8000 < n_eff <= 8000
+    assert clustered_wilson([], []) == (0.0, 0.0, 1.0)
+    assert clustered_wilson([4, 4], [4, 4]) == pytest.approx((8, *wilson(8, 8)))

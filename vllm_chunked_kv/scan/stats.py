@@ -1,6 +1,9 @@
 """Accuracy per group with its uncertainty (docs/design.md §7).
 
 - `wilson`: two-sided Wilson score interval of one proportion.
+- `clustered_wilson`: the Wilson interval of a pooled proportion whose
+  trials come in correlated clusters (the same needle asked at every
+  phase), on the effective sample size of the clusters.
 - `newcombe_difference`: interval of a difference of two independent
   proportions by Newcombe's hybrid score method (method 10 of Newcombe 1998),
   built from the two Wilson intervals.
@@ -37,6 +40,28 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     centre = (p + z2 / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def clustered_wilson(correct: list[int], total: list[int], z: float = Z95) -> tuple[float, float, float]:
+    """(effective n, low, high): Wilson's interval for sum(correct) / sum(total) when
+    the trials of one cluster are not independent (a needle right at one phase
+    tends to be right at all). n is shrunk by the design effect: the
+    cluster-robust variance of the pooled proportion (a ratio estimator,
+    Kish), ``K / (K - 1) * sum((c_i - p * n_i)^2) / n^2`` over the K clusters,
+    against the binomial ``p (1 - p) / n``. Never wider than clusters of one
+    outcome each could make it, never narrower than independent trials."""
+    if len(correct) != len(total):
+        raise ValueError("correct and total must have the same length")
+    k, n, clusters = sum(correct), sum(total), len(total)
+    if n <= 0:
+        return 0.0, 0.0, 1.0
+    p = k / n
+    if clusters < 2 or p in (0.0, 1.0):
+        return float(n), *wilson(k, n, z)
+    variance = clusters / (clusters - 1) * sum((c - p * m) ** 2 for c, m in zip(correct, total)) / n**2
+    n_eff = n if variance <= 0 else min(float(n), p * (1 - p) / variance)
+    low, high = wilson(p * n_eff, n_eff, z)  # Wilson's formula takes a fractional count
+    return n_eff, low, high
 
 
 def newcombe_difference(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> tuple[float, float, float]:
