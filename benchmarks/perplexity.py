@@ -113,16 +113,33 @@ def held_out_documents(model_dir: str | Path, num_docs: int = 4, tokens_per_doc:
     return [lead + ids[i * tokens_per_doc:(i + 1) * tokens_per_doc] for i in range(num_docs)]
 
 
+POSITION_BUCKETS = (0, 256, 512, 1024, 2048)  # query positions: how perplexity grows with what lies behind
+
+
+def by_position(logprobs: list[list[float]], edges: tuple[int, ...] = POSITION_BUCKETS) -> dict[str, float]:
+    """Perplexity of the tokens predicted at query positions in [edges[i], edges[i+1])
+    (the last bucket open-ended), keyed "lo-hi"; empty buckets are left out."""
+    out = {}
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else None
+        nll = [-lp for doc in logprobs for t, lp in enumerate(doc) if t >= lo and (hi is None or t < hi)]
+        if nll:
+            out[f"{lo}-{hi if hi is not None else ''}"] = math.exp(sum(nll) / len(nll))
+    return out
+
+
 def summarise(documents: list[list[int]], logprobs: list[list[float]], beyond: int) -> dict:
-    """NLL and perplexity overall and beyond the window, from the next-token log-probs
-    (`logprobs[d][t]` scores `documents[d][t + 1]`, predicted at query position t)."""
+    """NLL and perplexity overall, beyond the window and by query position, from the
+    next-token log-probs (`logprobs[d][t]` scores `documents[d][t + 1]`, predicted at
+    query position t)."""
     nll = [-lp for doc in logprobs for lp in doc]
     far = [-lp for doc in logprobs for t, lp in enumerate(doc) if t >= beyond]
     mean = sum(nll) / len(nll)
     far_mean = sum(far) / len(far) if far else float("nan")
     return {"nll": mean, "ppl": math.exp(mean), "tokens": len(nll),
             "nll_beyond": far_mean, "ppl_beyond": math.exp(far_mean), "tokens_beyond": len(far),
-            "beyond_position": beyond, "per_doc_nll": [-sum(doc) / len(doc) for doc in logprobs]}
+            "beyond_position": beyond, "ppl_by_position": by_position(logprobs),
+            "per_doc_nll": [-sum(doc) / len(doc) for doc in logprobs]}
 
 
 def perplexity(model_dir: str | Path, chunked_kv: dict | None, *, documents: list[list[int]] | None = None,

@@ -11,6 +11,8 @@
 - The result counts the scored tokens (one per position after the first)
   and those at query positions >= `beyond`; `served_settings` reads a model
   directory's chunked_kv_serve.json and `format_table` names every mode.
+- `by_position` splits the perplexity by query position: every token in
+  exactly one bucket, the buckets' perplexities those of their tokens.
 """
 
 from __future__ import annotations
@@ -89,3 +91,13 @@ def test_modes_and_served_settings(ppl, tmp_path):
     assert served == ChunkedKVConfig(**settings)
     with pytest.raises(ValueError):
         ppl.mode_settings("bogus", tmp_path)
+
+
+def test_by_position_buckets_every_token_once(ppl):
+    logprobs = [[-1.0] * 300, [-2.0] * 100 + [-3.0] * 500]  # query positions 0-299 and 0-599
+    buckets = ppl.by_position(logprobs, edges=(0, 100, 512))
+    assert list(buckets) == ["0-100", "100-512", "512-"]
+    assert buckets["0-100"] == pytest.approx(math.exp(1.5))
+    assert buckets["100-512"] == pytest.approx(math.exp((200 * 1.0 + 412 * 3.0) / 612))
+    assert buckets["512-"] == pytest.approx(math.exp(3.0))
+    assert list(ppl.by_position([[-1.0] * 50], edges=(0, 100, 512))) == ["0-100"]
