@@ -3,7 +3,8 @@
 - The command writes a model directory that vLLM serves with CHUNKED_KV in
   the settings of its `chunked_kv_serve.json` (the backend is seen running),
   with the merged weights (attention projections changed, everything else
-  identical to the base), the adapter alone, a checkpoint and ADAPT.md; the
+  identical to the base), the adapter alone, a checkpoint and ADAPT.md (with
+  the time and the peak memory of the run); the
   last line of standard output is the directory.
 - Bad settings stop it before training with one line naming the problem.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from safetensors.torch import load_file
@@ -38,7 +40,8 @@ def test_adapt_writes_a_servable_directory(adapted, tiny_llama, capsys):
                  "adapter/adapter.safetensors", "adapter/adapter.json", "work/checkpoint.pt"):
         assert (out / name).is_file(), name
     assert read_serve_config(out).stagger == "layers" and read_serve_config(out).window == 16
-    assert "probe" in (out / "ADAPT.md").read_text()
+    report = (out / "ADAPT.md").read_text()
+    assert "probe" in report and re.search(r"peak resident memory \d+\.\d GiB", report)
     base, merged = load_file(str(tiny_llama / "model.safetensors")), load_file(str(out / "model.safetensors"))
     changed = {k for k in base if not base[k].float().equal(merged[k].float())}
     assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed)

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 import platform
 import re
+import resource
 import shlex
 import sys
 from pathlib import Path
@@ -41,6 +42,11 @@ def progress_printer(total: int, stream=None):
     return log
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_path: Path) -> Path:
     """ADAPT.md: the command, the settings, the time, the loss curve summary and the probe scores."""
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
@@ -62,7 +68,8 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         " (also in `chunked_kv_serve.json`)",
         f"- options: `{json.dumps(asdict(opts))}`",
         f"- time of this run: {seconds / 60:.1f} min in {train.precision(opts)} on {torch.get_num_threads()} threads "
-        f"({platform.processor() or platform.machine()}), torch {torch.__version__}; steps logged: {len(records)}",
+        f"({platform.processor() or platform.machine()}), torch {torch.__version__}; steps logged: {len(records)}; "
+        f"peak resident memory {peak_rss_gib():.1f} GiB",
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "
         f"last 10 steps {mean(last, 'loss'):.3f} (CE {mean(last, 'ce'):.3f})",
     ]
