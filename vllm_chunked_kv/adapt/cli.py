@@ -2,7 +2,7 @@
 
     vllm-chunked-kv adapt MODEL_DIR --out DIR \\
         [--config '{"chunked_kv": {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger": "layers"}}'] \\
-        [--steps 450] [--seed 0] [--threads 2]
+        [--steps 360] [--seed 0] [--threads 2]
 
 Fine-tunes low-rank adapters on the attention projections (`adapt.train`)
 under the chunked attention of `--config` (the `--additional-config` JSON the

@@ -42,23 +42,25 @@ CHECKPOINT = "checkpoint.pt"
 
 @dataclass(frozen=True)
 class AdaptOptions:
-    steps: int = 600
+    """`adapt`'s options; the defaults are the one-run SmolLM2 recipe measured in docs/adapt.md."""
+
+    steps: int = 360
     rows: int = 4  # rows per batch
     full_rows: int = 1  # of which the last ones run at full attention
     text_rows: int = 1  # of which the first chunked ones are plain text (the rest retrieval)
-    length: int = 384  # tokens per row
+    length: int = 768  # tokens per row
     lr: float = 1e-3
     warmup: int = 20
     rank: int = 16
     alpha: float = 32.0
     targets: str = ",".join(lora.TARGETS)  # the projections to adapt, comma-separated (lora.TARGETS, MLP_TARGETS)
     ce_weight: float = 1.0
-    min_questions: int = 1  # questions per retrieval row, at least (capped by the row's 2-6 facts)
-    max_questions: int = 3  # and at most
-    distractors: float = 0.0  # share of retrieval rows in one phrasing with a recent unasked fact (adapt/data.py)
+    min_questions: int = 2  # questions per retrieval row, at least (capped by the row's 2-6 facts)
+    max_questions: int = 4  # and at most
+    distractors: float = 0.5  # share of retrieval rows in one phrasing with a recent unasked fact (adapt/data.py)
     seed: int = 0
-    checkpoint_every: int = 25
-    eval_every: int = 100  # steps between retrieval probes (0: never)
+    checkpoint_every: int = 20
+    eval_every: int = 0  # steps between retrieval probes (0: never)
     eval_prompts: int = 16
     init_adapter: str = ""  # an adapter directory to start from (train it further) instead of a fresh one
     precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)
