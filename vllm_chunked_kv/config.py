@@ -132,12 +132,10 @@ class _ChunkedKVFields(BaseModel):
     hop = 2), stagger (stagger = 'heads')."""
 
     stagger: Literal["none", "heads", "layers"] | list[list[int]] = "none"
-    """Per-KV-head grid origins (docs/design.md §10): 'none' (all 0), 'heads' (KV
-    head h, counted globally, starts at (h mod stagger_groups) * hop /
-    stagger_groups), 'layers' (the 'heads' origins moved on by the layer
-    index, mod hop: layer l, head h starts at (l + (h mod stagger_groups) *
-    hop / stagger_groups) mod hop), or an explicit per-layer list of
-    per-KV-head origins, each in [0, hop)."""
+    """Per-KV-head grid origins (docs/design.md §10), n = stagger_groups: 'none'
+    (all 0), 'heads' (KV head h, counted globally, at (h mod n) * hop / n),
+    'layers' (head h of layer l at (l + (h mod n) * hop / n) mod hop), or a
+    per-layer list of per-KV-head origins, each in [0, hop)."""
 
     stagger_groups: int = Field(default=2, ge=1)
     """Number of distinct origins for stagger 'heads' or 'layers'; must divide hop."""
@@ -314,10 +312,8 @@ class ChunkedKVConfig(_ChunkedKVFields):
 
     def origins(self, layer_idx: int, num_kv_heads_total: int) -> list[int]:
         """Grid origin of each KV head (global index) of one layer."""
-        if self.stagger == "none":
-            return [0] * num_kv_heads_total
-        if self.stagger in ("heads", "layers"):
-            step = self.hop // self.stagger_groups
+        if not isinstance(self.stagger, list):  # 'none', 'heads' or 'layers'
+            step = 0 if self.stagger == "none" else self.hop // self.stagger_groups
             shift = layer_idx if self.stagger == "layers" else 0
             return [(shift + (h % self.stagger_groups) * step) % self.hop for h in range(num_kv_heads_total)]
         self.check_model(layer_idx + 1, num_kv_heads_total, exact_layers=False)
