@@ -88,10 +88,8 @@ def model_forever_raw(cfg: ChunkedKVConfig, num_kv_heads_total: int) -> int:
     shared by all layers, must keep), whatever a request's grid shift."""
     if isinstance(cfg.stagger, list):
         origins = [o for heads in cfg.stagger for o in heads]
-    elif cfg.stagger == "layers":  # some layer may start a head at any origin
-        origins = list(range(cfg.hop))
-    else:
-        origins = cfg.origins(0, num_kv_heads_total)
+    else:  # named staggers repeat with the layer index mod hop (or do not depend on it)
+        origins = [o for layer in range(cfg.hop) for o in cfg.origins(layer, num_kv_heads_total)]
     return grid.forever_raw(cfg, grid.possible_origins(cfg, origins))
 
 
