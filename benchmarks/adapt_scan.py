@@ -96,12 +96,17 @@ def swaps_by_pair_phase(records: list[dict], lines: list[dict], model: Path, hop
     return counts
 
 
-def by_needle_ci(records: list[dict], lines: list[dict]) -> dict:
-    """The accuracy interval with the probes of one needle (its phases) as one
-    cluster (`stats.clustered_wilson`): misses cluster by needle."""
-    hits: dict[str, list[int]] = {}
+def hits_by_needle(records: list[dict], lines: list[dict]) -> dict[str, list[bool]]:
+    """Each needle's (task record's) outcomes, one per probe: a needle is asked at every phase."""
+    hits: dict[str, list[bool]] = {}
     for r in records:
         hits.setdefault(line_of(r, lines)["record"], []).append(bool(r["correct"]))
+    return hits
+
+
+def by_needle_ci(hits: dict[str, list[bool]]) -> dict:
+    """The accuracy interval with the probes of one needle (its phases) as one
+    cluster (`stats.clustered_wilson`): misses cluster by needle."""
     n_eff, low, high = clustered_wilson([sum(h) for h in hits.values()], [len(h) for h in hits.values()])
     return {"n_eff": round(n_eff, 1), "ci": [low, high]}
 
@@ -115,18 +120,19 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
     correct = sum(r["correct"] for r in records)
     lines = task_lines()
     misses = [r for r in records if not r["correct"]]
+    hits = hits_by_needle(records, lines)
     return {
         "model": str(model), "served": settings or "default backend", "window": window,
         "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
         "probes": len(records), "correct": correct, "accuracy": correct / len(records),
-        "accuracy_ci": list(wilson(correct, len(records))), "accuracy_ci_by_needle": by_needle_ci(records, lines),
+        "accuracy_ci": list(wilson(correct, len(records))), "accuracy_ci_by_needle": by_needle_ci(hits),
         "gap": needle["gap"],
         "by_phase": {str(g["phase"]): {"n": g["n"], "correct": g["correct"], "accuracy": g["accuracy"]} for g in needle["by_phase"]},
         "distance": [min(r["distance"] for r in records), max(r["distance"] for r in records)],
         "prompt_tokens": [min(r["prompt_units"] for r in records), max(r["prompt_units"] for r in records)],
         # a miss that is the prompt's own in-window distractor code
         "misses_distractor": sum(said(r["completion"]) == distractor_code(line_of(r, lines)) for r in misses),
-        "needles": len({line_of(r, lines)["record"] for r in records}),  # distinct facts: each is asked at every phase
+        "needles": len(hits),  # distinct facts: each is asked at every phase
         "misses_reordered": sum(reordered(r["answer"], r["completion"]) for r in misses),
         "swaps_by_pair_phase": swaps_by_pair_phase(records, lines, model, len(needle["by_phase"])),  # one group a phase
         "seconds": round(time.monotonic() - started),

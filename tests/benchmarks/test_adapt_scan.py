@@ -12,9 +12,10 @@
   `adjacent_swap` names the first of two swapped neighbours, only for a
   single swap of neighbours; the swaps by pair phase, one count per phase,
   add up to at most the reordered misses.
-- `by_needle_ci` takes the probes of one needle as one cluster: when each
-  needle is right at all its phases or at none, its interval is the one of
-  the needles alone, wider than the probes' Wilson interval.
+- `hits_by_needle` groups the probes by the needle (task record) they ask
+  about, one outcome a phase; `by_needle_ci` takes those groups as clusters:
+  when each needle is right at all its phases or at none, its interval is
+  the one of the needles alone, wider than the probes' Wilson interval.
 - `distractor_code` finds each task line's in-window distractor code, and
   `line_of` maps a scanner record to the line it asked about; a miss counts
   as the distractor's only when it is that prompt's own distractor code.
@@ -62,7 +63,10 @@ def test_by_needle_ci_clusters_the_phases_of_a_needle(bench):
     lines = bench.task_lines()
     # needles 0..9 asked at 4 phases each (probe ids needle:phase:i, line i mod lines)
     records = [{"probe_id": f"needle:{phase}:{i}", "correct": i < 6} for i in range(10) for phase in range(4)]
-    clustered = bench.by_needle_ci(records, lines)
+    hits = bench.hits_by_needle(records, lines)
+    assert len(hits) == 10 and all(len(h) == 4 for h in hits.values())
+    assert sorted(sum(h) for h in hits.values()) == [0] * 4 + [4] * 6
+    clustered = bench.by_needle_ci(hits)
     assert clustered["n_eff"] == pytest.approx(9, abs=0.05)  # 10 needles, less the finite-cluster factor
     low, high = clustered["ci"]
     plain = bench.wilson(24, 40)
