@@ -36,6 +36,7 @@ ATTN_NAME = "chunked_kv"
 _CONFIG_ATTR = "chunked_kv_config"
 _GAINS_ATTR = "chunked_kv_gains"  # a 1-tuple holding the gain logits (a tuple, so nn.Module does not adopt them)
 _SHIFTS_ATTR = "chunked_kv_grid_shifts"  # per batch row grid shift, or None
+_OBSERVER_ATTR = "chunked_kv_observer"  # a 1-tuple holding observer(layer_idx, probs, folded_k, origins), or None
 
 
 def chunked_attention_forward(
@@ -71,6 +72,9 @@ def chunked_attention_forward(
     grouped_q = query.float().view(batch, num_kv_heads, group, seq_len, head_dim)  # [b, Hkv, G, T, D]
     logits = torch.matmul(grouped_q, keys.unsqueeze(2).transpose(-1, -2)) * scaling  # [b, Hkv, G, T, T+N]
     probs = (logits + bias.unsqueeze(2)).softmax(dim=-1)  # [b, Hkv, G, T, T+N]
+    observer = getattr(module, _OBSERVER_ATTR, (None,))[0]
+    if observer is not None:
+        observer(module.layer_idx, probs, folded_k, origins)
     out = torch.matmul(probs, values.unsqueeze(2))  # [b, Hkv, G, T, Dv]
     out = out.reshape(batch, num_heads, seq_len, -1).transpose(1, 2)  # [b, T, H, Dv]
     return out.to(query.dtype).contiguous(), None
@@ -98,11 +102,14 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None,
-                      grid_shifts: list[int] | None = None) -> Iterator[None]:
+                      grid_shifts: list[int] | None = None, observer=None) -> Iterator[None]:
     """Run `model` (a transformers Llama) with chunked attention `cfg` inside
     the block; None means full attention (eager). `gains`: learned per-slot
     gain logits; `grid_shifts`: each batch row's grid shift (see the module
-    docstring)."""
+    docstring); `observer(layer_idx, probs, folded_k, origins)`: called in
+    every layer with the attention probabilities [b, Hkv, G, T, T+N] over the
+    extended key set, the folded keys [T, b*Hkv, D] and their origins (to
+    see what the model reads, `benchmarks/copy_heads.py`)."""
     previous = model.config._attn_implementation
     if cfg is None:
         model.set_attn_implementation("eager")
@@ -112,6 +119,7 @@ def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | 
             setattr(layer.self_attn, _CONFIG_ATTR, cfg)
             setattr(layer.self_attn, _GAINS_ATTR, (gains,))
             setattr(layer.self_attn, _SHIFTS_ATTR, grid_shifts)
+            setattr(layer.self_attn, _OBSERVER_ATTR, (observer,))
         model.set_attn_implementation(ATTN_NAME)
     try:
         yield
