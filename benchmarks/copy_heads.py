@@ -79,13 +79,13 @@ def measure(model, tokenizer, cfg: ChunkedKVConfig, rows: int, length: int = 768
         right += all(logits[p].argmax().item() == labels[p] for p in answer)
     total /= rows
     heads = model.config.num_key_value_heads
+    origins = [cfg.origins(layer, heads) for layer in range(len(total))]  # [layer][kv head]
     ranked = sorted(((total[l, h].item(), l, h) for l in range(len(total)) for h in range(heads)), reverse=True)
     return {
         "rows": rows, "teacher_forced_correct": right, "length": length, "min_distance": min_distance,
         "mass": [[round(x, 4) for x in layer.tolist()] for layer in total],  # [layer][kv head]
-        "origins": [cfg.origins(layer, heads) for layer in range(len(total))],
-        "top": [{"layer": l, "kv_head": h, "origin": cfg.origins(l, heads)[h], "mass": round(m, 4)}
-                for m, l, h in ranked[:10]],
+        "origins": origins,
+        "top": [{"layer": l, "kv_head": h, "origin": origins[l][h], "mass": round(m, 4)} for m, l, h in ranked[:10]],
     }
 
 
