@@ -6,7 +6,10 @@
 - With nothing sealed (window longer than the sequence), the model's logits
   equal full attention's; with a short window they differ.
 - Gradients flow through the pooled rows (training under compression works).
-- Leaving the context restores the model's attention implementation.
+- Leaving the context restores the model's attention implementation and
+  each layer's chunked settings as they were before it (none on a fresh
+  model, an outer block's after a nested one), so an observer is not kept
+  alive past its block.
 """
 
 from __future__ import annotations
@@ -79,6 +82,22 @@ def test_gradients_flow_and_implementation_is_restored():
     assert model.config._attn_implementation == before
     grads = [p.grad for p in model.model.layers[0].self_attn.k_proj.parameters()]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_leaving_restores_each_layers_settings():
+    model = build_model(0)
+    ids, _ = batch(random.Random(2), "recall", 1, 40, 2)
+    outer, inner = ChunkedKVConfig(chunk_size=4, window=8), ChunkedKVConfig(chunk_size=2, window=8)
+    seen = []
+    with chunked_attention(model, outer):
+        with chunked_attention(model, inner, observer=lambda layer, *_: seen.append(layer)):
+            model(input_ids=ids)
+        assert all(layer.self_attn.chunked_kv_config is outer for layer in model.model.layers)
+        assert seen == list(range(len(model.model.layers)))
+        model(input_ids=ids)  # the outer block has no observer
+        assert len(seen) == len(model.model.layers)
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "chunked_kv_config") and not hasattr(attn, "chunked_kv_observer")
 
 
 def test_learned_gains_equal_reference_gated_pooling():

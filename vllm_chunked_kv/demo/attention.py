@@ -37,6 +37,7 @@ _CONFIG_ATTR = "chunked_kv_config"
 _GAINS_ATTR = "chunked_kv_gains"  # a 1-tuple holding the gain logits (a tuple, so nn.Module does not adopt them)
 _SHIFTS_ATTR = "chunked_kv_grid_shifts"  # per batch row grid shift, or None
 _OBSERVER_ATTR = "chunked_kv_observer"  # a 1-tuple holding observer(layer_idx, probs, folded_k, origins), or None
+_UNSET = object()  # marks an attribute the module did not have before `chunked_attention`
 
 
 def chunked_attention_forward(
@@ -111,17 +112,26 @@ def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | 
     extended key set, the folded keys [T, b*Hkv, D] and their origins (to
     see what the model reads, `benchmarks/copy_heads.py`)."""
     previous = model.config._attn_implementation
+    saved = []  # (module, {attribute: value before the block, or _UNSET})
     if cfg is None:
         model.set_attn_implementation("eager")
     else:
         _register()
+        values = {_CONFIG_ATTR: cfg, _GAINS_ATTR: (gains,), _SHIFTS_ATTR: grid_shifts,
+                  _OBSERVER_ATTR: (observer,)}
         for layer in model.model.layers:
-            setattr(layer.self_attn, _CONFIG_ATTR, cfg)
-            setattr(layer.self_attn, _GAINS_ATTR, (gains,))
-            setattr(layer.self_attn, _SHIFTS_ATTR, grid_shifts)
-            setattr(layer.self_attn, _OBSERVER_ATTR, (observer,))
+            attn = layer.self_attn
+            saved.append((attn, {name: attn.__dict__.get(name, _UNSET) for name in values}))
+            for name, value in values.items():
+                setattr(attn, name, value)
         model.set_attn_implementation(ATTN_NAME)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
+        for attn, before in saved:  # an outer block's settings come back; nothing stays alive past the block
+            for name, value in before.items():
+                if value is _UNSET:
+                    delattr(attn, name)
+                else:
+                    setattr(attn, name, value)
