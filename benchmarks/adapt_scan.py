@@ -111,10 +111,16 @@ def by_needle_ci(hits: dict[str, list[bool]]) -> dict:
     return {"n_eff": round(n_eff, 1), "ci": [low, high]}
 
 
-def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path) -> dict:
+def served_dtype(dtype: str | None) -> str:
+    """The dtype the server is started with (`real_model.serve_defaults`)."""
+    defaults = real_model.serve_defaults(dtype)
+    return defaults[defaults.index("--dtype") + 1]
+
+
+def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path, dtype: str | None = None) -> dict:
     settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
     started = time.monotonic()
-    summary = real_model.scan_mode(model, settings, per_phase, out, window=window)
+    summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     needle = summary["results"]["needle"]
     correct = sum(r["correct"] for r in records)
@@ -122,7 +128,7 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
     misses = [r for r in records if not r["correct"]]
     hits = hits_by_needle(records, lines)
     return {
-        "model": str(model), "served": settings or "default backend", "window": window,
+        "model": str(model), "served": settings or "default backend", "dtype": served_dtype(dtype), "window": window,
         "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
         "probes": len(records), "correct": correct, "accuracy": correct / len(records),
         "accuracy_ci": list(wilson(correct, len(records))), "accuracy_ci_by_needle": by_needle_ci(hits),
@@ -148,9 +154,11 @@ def main() -> None:
     parser.add_argument("--default-backend", action="store_true", help="serve without chunked_kv")
     parser.add_argument("--out", type=Path, help="scan output directory (default: a temporary one)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"),
+                        help="serving dtype (default: real_model.SERVE_DEFAULTS's bfloat16; float32 on a CPU without native bf16)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="adapt-scan-"))
-    result = measure(args.model, args.window, args.per_phase, args.default_backend, out)
+    result = measure(args.model, args.window, args.per_phase, args.default_backend, out, args.dtype)
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -14,9 +14,12 @@ averaged over the head's query heads, the answer digits and the rows.
 The heads with the most mass are the ones that copy the code out of the
 compressed cache; their grid origins (`ChunkedKVConfig.origins`) decide
 which neighbouring digits share a pooled row for them
-(docs/adapt.md, "Why it stops near 72%").
+(docs/adapt.md, "Why it stops near 72%"). `mass_by_origin` sums the mass
+of the heads on each grid origin, over `--origin-layers` (all by default;
+the copying layers 17-23 of SmolLM2 in benchmarks/README.md).
 
-    python benchmarks/copy_heads.py DIR --rows 32 --json X.json
+    python benchmarks/copy_heads.py DIR --rows 32 --origin-layers 17-23 --json X.json
+    python benchmarks/copy_heads.py --from-json X.json --origin-layers 17-23  # recompute mass_by_origin only
 """
 
 from __future__ import annotations
@@ -68,6 +71,25 @@ def code_rows(tokenizer, count: int, length: int, min_distance: int, seed: int):
         yield row.ids, list(range(starts[0], starts[0] + len(digits))), answer, row.labels
 
 
+def mass_by_origin(mass: list[list[float]], origins: list[list[int]], layers: range | None = None) -> dict:
+    """The code mass of every (layer, KV head) in `layers` (all when None) summed by
+    the head's grid origin: {"layers": [first, last], "mass": [origin 0, 1, ...]}."""
+    layers = range(len(mass)) if layers is None else layers
+    sums = [0.0] * (max(o for layer in origins for o in layer) + 1)
+    for layer in layers:
+        for m, origin in zip(mass[layer], origins[layer]):
+            sums[origin] += m
+    return {"layers": [layers.start, layers.stop - 1], "mass": [round(x, 4) for x in sums]}
+
+
+def parse_layers(text: str) -> range | None:
+    """'17-23' -> range(17, 24); 'all' -> None."""
+    if text == "all":
+        return None
+    first, _, last = text.partition("-")
+    return range(int(first), int(last or first) + 1)
+
+
 def measure(model, tokenizer, cfg: ChunkedKVConfig, rows: int, length: int = 768, min_distance: int = 300,
             seed: int = 0) -> dict:
     """Mean code mass by layer and KV head over `rows` rows, the heads' origins, and the top heads."""
@@ -93,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", type=Path, help="a model directory with chunked_kv_serve.json")
+    parser.add_argument("model", type=Path, nargs="?", help="a model directory with chunked_kv_serve.json")
+    parser.add_argument("--origin-layers", default="all", help="layers summed in mass_by_origin: A-B or all")
+    parser.add_argument("--from-json", type=Path, help="recompute mass_by_origin of a result file in place")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--length", type=int, default=768)
     parser.add_argument("--min-distance", type=int, default=300, help="tokens from the code to its answer")
@@ -101,6 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
+    layers = parse_layers(args.origin_layers)
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        result["mass_by_origin"] = mass_by_origin(result["mass"], result["origins"], layers)
+        args.from_json.write_text(json.dumps(result, indent=1) + "\n")
+        print("mass by origin:", result["mass_by_origin"])
+        return
+    if args.model is None:
+        parser.error("a model directory (or --from-json) is required")
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = json.loads((args.model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
@@ -108,8 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(model, AutoTokenizer.from_pretrained(args.model), ChunkedKVConfig(**settings),
                      args.rows, args.length, args.min_distance, args.seed)
     result["model"] = str(args.model)
+    result["mass_by_origin"] = mass_by_origin(result["mass"], result["origins"], layers)
     for layer, (masses, origins) in enumerate(zip(result["mass"], result["origins"])):
         print(f"layer {layer:2d} origins {origins}: " + " ".join(f"{m:.3f}" for m in masses))
+    print("mass by origin:", result["mass_by_origin"])
     print("top:", ", ".join(f"L{t['layer']}h{t['kv_head']} (origin {t['origin']}) {t['mass']:.3f}" for t in result["top"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

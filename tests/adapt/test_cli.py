@@ -6,6 +6,8 @@
   identical to the base), the adapter alone, a checkpoint and ADAPT.md (with
   the time and the peak memory of the run); the
   last line of standard output is the directory.
+- With `--learn-gains` the serve file says pooling "gated" with the gains
+  the run learned (also in `adapter/adapter.json`), and vLLM serves that.
 - Bad settings stop it before training with one line naming the problem.
 """
 
@@ -53,6 +55,23 @@ def test_adapt_writes_a_servable_directory(adapted, tiny_llama, capsys):
     assert "Using CHUNKED_KV attention backend" in result["log"]
 
 
+def test_learned_gains_are_what_the_directory_is_served_with(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "gated"
+    argv = ["adapt", str(tiny_llama), "--out", str(out), "--steps", "2", "--length", "384", "--lr", "0.01",
+            "--threads", "1", "--learn-gains", "--config", json.dumps(SETTINGS)]
+    assert main(argv) == 0
+    gains = json.loads((out / "adapter" / "adapter.json").read_text())["slot_gains"]
+    served = read_serve_config(out)
+    assert served.pooling == "gated" and served.slot_gains == gains and len(gains) == 4
+    assert served.stagger == "layers" and served.window == 16
+    assert "gated" in (out / "ADAPT.md").read_text()
+    serve = json.loads((out / SERVE_FILE).read_text())
+    result = generate(str(out), {"attention_backend": serve["attention_backend"],
+                                 "additional_config": serve["additional_config"]}, [[[7 + i % 200 for i in range(60)]]],
+                      max_tokens=2)
+    assert len(result["outputs"][0][0]) == 2 and "Using CHUNKED_KV attention backend" in result["log"]
+
+
 def test_bad_settings_stop_before_training(tiny_llama, tmp_path, capsys):
     bad = ["adapt", str(tiny_llama), "--out", str(tmp_path / "x"), "--config", '{"chunk_size": 4}']
     assert main(bad) == 1
@@ -61,3 +80,8 @@ def test_bad_settings_stop_before_training(tiny_llama, tmp_path, capsys):
     worse = ["adapt", str(tiny_llama), "--out", str(tmp_path / "y"), "--config", '{"chunked_kv": {"window": 0}}']
     assert main(worse) == 1
     assert "window" in capsys.readouterr().err
+    overlap = {"chunked_kv": {**SETTINGS["chunked_kv"], "mitigation": "overlap", "stagger": "none"}}
+    gated = ["adapt", str(tiny_llama), "--out", str(tmp_path / "z"), "--learn-gains", "--config", json.dumps(overlap)]
+    assert main(gated) == 1
+    assert "learn_gains" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists()

@@ -8,6 +8,11 @@
   directory resumes from its checkpoint and ends with exactly the adapters
   of an uninterrupted run (same seed, same threads).
 - Only the adapters change: the base weights are untouched.
+- Learned gains (`learn_gains`): the chunked rows' slot gains train with the
+  adapters (they leave the uniform start, so the chunked forward used them),
+  resume like the adapters, and are served as pooling "gated" on the same
+  grid; settings they cannot replace the mean of are refused by name, as is
+  a checkpoint written with the other choice.
 - Precision: bf16 autocast only where asked or (auto) where the CPU has
   native bf16; fp32 otherwise; anything else is refused by name.
 """
@@ -51,7 +56,7 @@ def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch)
     opts = train.AdaptOptions(steps=16, lr=5e-2, warmup=2, **OPTS)
     fixed = train.step_rows(byte_tokenizer, 0, opts)
     monkeypatch.setattr(train, "step_rows", lambda tokenizer, step, opts: fixed)
-    _, records = train.train(model, byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None)
+    records = train.train(model, byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None).records
     loss = [r["loss"] for r in records]
     assert sum(loss[-3:]) / 3 < 0.85 * sum(loss[:3]) / 3, loss
     for name, p in model.named_parameters():
@@ -59,14 +64,34 @@ def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch)
             assert torch.equal(p, base[name]), name
 
 
-def test_resume_equals_uninterrupted(byte_tokenizer, tmp_path):
-    opts = train.AdaptOptions(steps=5, lr=5e-3, warmup=2, **OPTS)
-    whole, _ = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "a", log=lambda m: None)
+@pytest.mark.parametrize("learn_gains", [False, True])
+def test_resume_equals_uninterrupted(byte_tokenizer, tmp_path, learn_gains):
+    opts = train.AdaptOptions(steps=5, lr=5e-3, warmup=2, learn_gains=learn_gains, **OPTS)
+    whole = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "a", log=lambda m: None)
     train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "b", log=lambda m: None, stop_after=3)
     messages = []
-    resumed, records = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "b", log=messages.append)
+    resumed = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "b", log=messages.append)
     assert any("resuming from step 3" in m for m in messages)
-    assert [r["step"] for r in records] == [4, 5]
-    for name in whole:
-        assert torch.equal(whole[name].lora_a, resumed[name].lora_a), name
-        assert torch.equal(whole[name].lora_b, resumed[name].lora_b), name
+    assert [r["step"] for r in resumed.records] == [4, 5]
+    for name in whole.adapters:
+        assert torch.equal(whole.adapters[name].lora_a, resumed.adapters[name].lora_a), name
+        assert torch.equal(whole.adapters[name].lora_b, resumed.adapters[name].lora_b), name
+    assert whole.gains == resumed.gains and (whole.gains is None) != learn_gains
+
+
+def test_learned_gains_train_and_are_served_gated(byte_tokenizer, tmp_path):
+    opts = train.AdaptOptions(steps=6, lr=1e-2, warmup=1, learn_gains=True, **OPTS)
+    adapted = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None)
+    assert len(adapted.gains) == CFG.chunk_size and sum(adapted.gains) == pytest.approx(1.0, abs=1e-5)
+    assert max(abs(g - 0.25) for g in adapted.gains) > 1e-3, adapted.gains  # they moved: the chunked rows used them
+    assert [r["slot_gains"] for r in adapted.records][-1] == adapted.gains
+    served = train.serve_config(CFG, adapted.gains)
+    assert served.pooling == "gated" and served.normalised_gains() == pytest.approx(adapted.gains)
+    assert served.model_dump(exclude={"pooling", "slot_gains"}) == CFG.model_dump(exclude={"pooling", "slot_gains"})
+    assert train.serve_config(CFG, None) is CFG
+
+    with pytest.raises(ValueError, match="learn_gains"):
+        train.check_options(CFG.model_copy(update={"hop": 2}), opts)
+    with pytest.raises(ValueError, match="with learned gains"):  # a checkpoint with gains, resumed without
+        train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(steps=7, **OPTS), tmp_path,
+                    log=lambda m: None)

@@ -12,9 +12,14 @@
   `min_distance` tokens before its answer digits; `measure` reports one
   mass per layer and KV head with that head's origin, and the top heads in
   decreasing order.
+- `mass_by_origin` adds each head's mass to its origin's sum over the chosen
+  layers only; `--from-json` recomputes it from a result file's own mass and
+  origins.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -75,3 +80,15 @@ def test_measure_on_retrieval_rows(bench, model):
     masses = [t["mass"] for t in result["top"]]
     assert masses == sorted(masses, reverse=True) and len(masses) == 4
     assert 0 <= result["teacher_forced_correct"] <= 2
+
+
+def test_mass_by_origin_sums_chosen_layers_by_origin(bench, tmp_path):
+    mass = [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [1.0, 2.0, 3.0]]
+    origins = [[0, 2, 0], [1, 3, 1], [2, 0, 2]]
+    assert bench.mass_by_origin(mass, origins) == {"layers": [0, 2], "mass": [2.4, 1.0, 4.2, 0.5]}
+    assert bench.mass_by_origin(mass, origins, bench.parse_layers("0-1")) == {"layers": [0, 1], "mass": [0.4, 1.0, 0.2, 0.5]}
+    assert bench.parse_layers("all") is None and bench.parse_layers("5") == range(5, 6)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"mass": mass, "origins": origins}))
+    bench.main(["--from-json", str(path), "--origin-layers", "1-2"])
+    assert json.loads(path.read_text())["mass_by_origin"] == {"layers": [1, 2], "mass": [2.0, 1.0, 4.0, 0.5]}

@@ -9,7 +9,7 @@
 - Leaving the context restores the model's attention implementation and
   each layer's chunked settings as they were before it (none on a fresh
   model, an outer block's after a nested one), so an observer is not kept
-  alive past its block.
+  alive past its block; also when entering fails half-way.
 """
 
 from __future__ import annotations
@@ -98,6 +98,25 @@ def test_leaving_restores_each_layers_settings():
         assert len(seen) == len(model.model.layers)
     attn = model.model.layers[0].self_attn
     assert not hasattr(attn, "chunked_kv_config") and not hasattr(attn, "chunked_kv_observer")
+
+
+def test_a_failed_entry_leaves_nothing_set(monkeypatch):
+    model = build_model(0)
+    previous = model.config._attn_implementation
+
+    switch = model.set_attn_implementation
+
+    def refuse(name):
+        if name == "chunked_kv":
+            raise RuntimeError(f"cannot switch to {name}")
+        switch(name)
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    with pytest.raises(RuntimeError, match="cannot switch"):
+        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=8)):
+            pass
+    assert all(not hasattr(layer.self_attn, "chunked_kv_config") for layer in model.model.layers)
+    assert model.config._attn_implementation == previous
 
 
 def test_learned_gains_equal_reference_gated_pooling():

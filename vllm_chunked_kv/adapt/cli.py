@@ -10,7 +10,8 @@ model will be served with), then writes into DIR:
 
 - the merged model (config, `model.safetensors` in bf16, tokenizer), which
   `vllm serve DIR` loads like any model;
-- `chunked_kv_serve.json`: the backend and settings it was adapted for;
+- `chunked_kv_serve.json`: the backend and settings it was adapted for
+  (with `--learn-gains`, pooling "gated" and the learned `slot_gains`);
 - `adapter/`: the adapter alone (a few MB; `models fetch NAME --adapted`
   merges a shipped one into the base model);
 - `work/`: the checkpoint (a second run with the same DIR resumes) and
@@ -39,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     defaults = AdaptOptions()
     for f in fields(AdaptOptions):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)),
-                            default=getattr(defaults, f.name), help="(default: %(default)s)")
+        default = getattr(defaults, f.name)
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {"type": type(default)}
+        parser.add_argument(f"--{f.name.replace('_', '-')}", default=default, help="(default: %(default)s)", **kind)
 
 
 def parse_settings(text: str):
@@ -63,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from vllm_chunked_kv.config import ChunkedKVConfigError
     from vllm_chunked_kv.serve_file import write_serve_file
 
+    opts = train.AdaptOptions(**{f.name: getattr(args, f.name) for f in fields(train.AdaptOptions)})
     try:
         cfg = parse_settings(args.config)
+        train.check_options(cfg, opts)
     except (ValueError, ChunkedKVConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -76,18 +80,18 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    opts = train.AdaptOptions(**{f.name: getattr(args, f.name) for f in fields(train.AdaptOptions)})
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     model.config.use_cache = False
     cfg.check_model(model.config.num_hidden_layers, model.config.num_key_value_heads)
     began = time.perf_counter()
-    adapters, records = train.train(model, tokenizer, cfg, opts, args.out / "work", log=report.progress_printer(opts.steps))
+    adapted = train.train(model, tokenizer, cfg, opts, args.out / "work", log=report.progress_printer(opts.steps))
     adapter_dir = args.out / "adapter"
-    meta = {"base_model": str(args.model_dir), "options": asdict(opts)}
-    lora.save_adapter(adapters, adapter_dir, meta)
-    write_serve_file(adapter_dir, cfg)
+    meta = {"base_model": str(args.model_dir), "options": asdict(opts), "slot_gains": adapted.gains}
+    lora.save_adapter(adapted.adapters, adapter_dir, meta)
+    served = train.serve_config(cfg, adapted.gains)
+    write_serve_file(adapter_dir, served)
     lora.merge_adapter(args.model_dir, adapter_dir, args.out)
-    report.write_report(args.out, sys.argv, cfg, opts, time.perf_counter() - began, args.out / "work" / "train_log.jsonl")
+    report.write_report(args.out, sys.argv, served, opts, time.perf_counter() - began, args.out / "work" / "train_log.jsonl")
     print(args.out)
     return 0

@@ -12,9 +12,14 @@ Each step (docs/adapt.md has the reasons and what was tried):
   reference's visible set);
 - loss = KL(teacher || student) averaged over tokens + cross-entropy on the
   retrieval answers; AdamW on the adapters only, linear warm-up then cosine
-  decay to a tenth, gradients clipped at 1.
+  decay to a tenth, gradients clipped at 1;
+- with `learn_gains`, the chunked rows pool each sealed chunk with learned
+  per-slot gains (one softmax over `chunk_size` logits, shared by every layer
+  and head; `demo.attention`'s gains), trained with the adapters at
+  `GAINS_LR_SCALE` times their learning rate; the model is then served with
+  `pooling="gated"` and those gains (`serve_config`).
 
-A checkpoint (adapters, optimizer, step) is written atomically every
+A checkpoint (adapters, gain logits, optimizer, step) is written atomically every
 `checkpoint_every` steps; a run started again on the same output directory
 continues from it and ends with the same weights as an uninterrupted run
 (same torch build and thread count).
@@ -28,6 +33,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -38,6 +44,7 @@ from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.attention import chunked_attention
 
 CHECKPOINT = "checkpoint.pt"
+GAINS_LR_SCALE = 20.0  # the chunk_size gain logits learn faster than the adapters (as in the demo's gated fine-tune)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,31 @@ class AdaptOptions:
     eval_prompts: int = 16
     init_adapter: str = ""  # an adapter directory to start from (train it further) instead of a fresh one
     precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)
+    learn_gains: bool = False  # learn per-slot pooling gains with the adapters (served as pooling "gated")
+
+
+class Adapted(NamedTuple):
+    """What `train` returns."""
+
+    adapters: dict  # name -> lora.LoRALinear, merged into the model
+    records: list[dict]  # one per step of this call (train_log.jsonl)
+    gains: list[float] | None  # the learned slot gains (normalised), None without learn_gains
+
+
+def check_options(cfg: ChunkedKVConfig, opts: AdaptOptions) -> None:
+    """Refuse, by name, options the settings cannot train with."""
+    precision(opts)
+    if opts.learn_gains and (cfg.pooling != "mean" or cfg.hop != cfg.chunk_size or cfg.keep_boundary):
+        raise ValueError("learn_gains: needs pooling 'mean', hop == chunk_size and no keep_boundary in the settings "
+                         "(the gains replace the mean)")
+
+
+def serve_config(cfg: ChunkedKVConfig, gains: list[float] | None) -> ChunkedKVConfig:
+    """The settings to serve the adapted model with: `cfg`, or with learned gains
+    the same grid pooled `gated` with them."""
+    if gains is None:
+        return cfg
+    return ChunkedKVConfig.model_validate({**cfg.model_dump(), "pooling": "gated", "slot_gains": gains})
 
 
 def native_bf16() -> bool:
@@ -106,21 +138,23 @@ def step_rows(tokenizer, step: int, opts: AdaptOptions) -> list[data.Row]:
     return rows
 
 
-def _logits(model, ids: torch.Tensor, cfg: ChunkedKVConfig | None) -> torch.Tensor:
-    """Logits [rows, length, vocab] under chunked attention `cfg`, or full (sdpa) when None."""
+def _logits(model, ids: torch.Tensor, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [rows, length, vocab] under chunked attention `cfg` (with gain logits
+    `gains`, if any), or full (sdpa) when None."""
     if cfg is None:
         model.set_attn_implementation("sdpa")
         return model(input_ids=ids).logits
-    with chunked_attention(model, cfg):
+    with chunked_attention(model, cfg, gains):
         return model(input_ids=ids).logits
 
 
-def loss_terms(model, adapters, ids, labels, cfg: ChunkedKVConfig, opts: AdaptOptions) -> tuple[torch.Tensor, float, float]:
-    """(loss to minimise, KL value, CE value) for one batch."""
+def loss_terms(model, adapters, ids, labels, cfg: ChunkedKVConfig, opts: AdaptOptions,
+               gains: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
+    """(loss to minimise, KL value, CE value) for one batch; `gains`: learned slot-gain logits or None."""
     split = ids.shape[0] - opts.full_rows  # rows [0, split) chunked
     with torch.no_grad(), lora.disabled(adapters):
         teacher = _logits(model, ids, None).float().log_softmax(-1)  # [rows, length, vocab]
-    student = torch.cat([_logits(model, ids[:split], cfg), _logits(model, ids[split:], None)])
+    student = torch.cat([_logits(model, ids[:split], cfg, gains), _logits(model, ids[split:], None)])
     student = student.float().log_softmax(-1)  # [rows, length, vocab]
     kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
     answer = labels != data.IGNORE
@@ -128,23 +162,33 @@ def loss_terms(model, adapters, ids, labels, cfg: ChunkedKVConfig, opts: AdaptOp
     return kl + opts.ce_weight * ce, float(kl.detach()), float(ce.detach())
 
 
-def _save_checkpoint(path: Path, adapters, optimizer, step: int) -> None:
+def _save_checkpoint(path: Path, adapters, gains, optimizer, step: int) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "adapters": lora.adapter_state(adapters), "optimizer": optimizer.state_dict()}, tmp)
+    state = {"step": step, "adapters": lora.adapter_state(adapters), "optimizer": optimizer.state_dict()}
+    if gains is not None:
+        state["gain_logits"] = gains.detach().clone()
+    torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def _load_checkpoint(path: Path, adapters, optimizer) -> int:
+def _load_checkpoint(path: Path, adapters, gains, optimizer) -> int:
     state = torch.load(path, weights_only=True)
+    if (gains is None) != ("gain_logits" not in state):
+        raise ValueError(f"{path}: a checkpoint {'with' if 'gain_logits' in state else 'without'} learned gains; "
+                         "resume it with the same --learn-gains as the run that wrote it")
     for name, a in adapters.items():
         a.lora_a.data.copy_(state["adapters"][f"{name}.lora_a"])
         a.lora_b.data.copy_(state["adapters"][f"{name}.lora_b"])
+    if gains is not None:
+        gains.data.copy_(state["gain_logits"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
 
 
-def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None, stop_after: int | None = None):
-    """Adapt `model` (fp32, transformers Llama-like) in place; returns (adapters, log records).
+def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None,
+          stop_after: int | None = None) -> Adapted:
+    """Adapt `model` (fp32, transformers Llama-like) in place; returns the adapters,
+    this call's log records and the learned gains (`Adapted`).
 
     `work_dir` holds the checkpoint and `train_log.jsonl`; `stop_after`
     ends the run after that many steps of this call (for tests of resuming)."""
@@ -154,9 +198,15 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     adapters = lora.add_lora(model, opts.rank, opts.alpha, opts.seed, targets=lora.parse_targets(opts.targets))
     params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    check_options(cfg, opts)
+    gains = None
+    if opts.learn_gains:
+        gains = torch.zeros(cfg.chunk_size, requires_grad=True)  # [chunk_size] logits; zeros: mean pooling
+        optimizer.add_param_group({"params": [gains], "lr_scale": GAINS_LR_SCALE})
+        params = params + [gains]
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / CHECKPOINT
-    start = _load_checkpoint(checkpoint, adapters, optimizer) if checkpoint.exists() else 0
+    start = _load_checkpoint(checkpoint, adapters, gains, optimizer) if checkpoint.exists() else 0
     if start:
         log(f"resuming from step {start} ({checkpoint})")
     elif opts.init_adapter:
@@ -167,14 +217,14 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     with open(work_dir / "train_log.jsonl", "a") as log_file:
         for step in range(start, opts.steps):
             if stop_after is not None and done >= stop_after:
-                _save_checkpoint(checkpoint, adapters, optimizer, step)
+                _save_checkpoint(checkpoint, adapters, gains, optimizer, step)
                 break
             ids, labels = data.batch(step_rows(tokenizer, step, opts))
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, opts)
+                group["lr"] = lr_at(step, opts) * group.get("lr_scale", 1.0)
             model.train()
             with autocast(opts):
-                loss, kl, ce = loss_terms(model, adapters, ids, labels, cfg, opts)
+                loss, kl, ce = loss_terms(model, adapters, ids, labels, cfg, opts, gains)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
@@ -182,9 +232,11 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             done += 1
             rate = done / (time.perf_counter() - began)
             record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts), "steps_per_s": rate}
+            if gains is not None:
+                record["slot_gains"] = _normalised(gains)
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
                 model.eval()
-                with torch.no_grad(), autocast(opts), chunked_attention(model, cfg):
+                with torch.no_grad(), autocast(opts), chunked_attention(model, cfg, gains):
                     record["probe_chunked"] = probe.accuracy(model, prompts)
             records.append(record)
             log_file.write(json.dumps(record) + "\n")
@@ -194,7 +246,12 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             log(f"step {step + 1}/{opts.steps} loss {record['loss']:.3f} (kl {kl:.3f} ce {ce:.3f}) "
                 f"{rate:.3f} steps/s eta {eta / 60:.0f} min{extra}")
             if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
-                _save_checkpoint(checkpoint, adapters, optimizer, step + 1)
+                _save_checkpoint(checkpoint, adapters, gains, optimizer, step + 1)
     model.eval()
-    return adapters, records
+    return Adapted(adapters, records, None if gains is None else _normalised(gains))
+
+
+def _normalised(gains: torch.Tensor) -> list[float]:
+    """The slot weights of gain logits (their softmax), rounded for JSON."""
+    return [round(g, 6) for g in gains.detach().softmax(-1).tolist()]
 

@@ -113,25 +113,25 @@ def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | 
     see what the model reads, `benchmarks/copy_heads.py`)."""
     previous = model.config._attn_implementation
     saved = []  # (module, {attribute: value before the block, or _UNSET})
-    if cfg is None:
-        model.set_attn_implementation("eager")
-    else:
-        _register()
-        values = {_CONFIG_ATTR: cfg, _GAINS_ATTR: (gains,), _SHIFTS_ATTR: grid_shifts,
-                  _OBSERVER_ATTR: (observer,)}
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            saved.append((attn, {name: attn.__dict__.get(name, _UNSET) for name in values}))
-            for name, value in values.items():
-                setattr(attn, name, value)
-        model.set_attn_implementation(ATTN_NAME)
-    try:
+    try:  # whatever was set is undone, even if setting up fails half-way
+        if cfg is None:
+            model.set_attn_implementation("eager")
+        else:
+            _register()
+            values = {_CONFIG_ATTR: cfg, _GAINS_ATTR: (gains,), _SHIFTS_ATTR: grid_shifts,
+                      _OBSERVER_ATTR: (observer,)}
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                saved.append((attn, {name: attn.__dict__.get(name, _UNSET) for name in values}))
+                for name, value in values.items():
+                    setattr(attn, name, value)
+            model.set_attn_implementation(ATTN_NAME)
         yield
     finally:
-        model.set_attn_implementation(previous)
         for attn, before in saved:  # an outer block's settings come back; nothing stays alive past the block
             for name, value in before.items():
                 if value is _UNSET:
-                    delattr(attn, name)
+                    attn.__dict__.pop(name, None)  # it may not have been set yet if entering failed
                 else:
                     setattr(attn, name, value)
+        model.set_attn_implementation(previous)

@@ -56,8 +56,17 @@ def modes_for(adapted_dir: Path | None) -> list[tuple[str, Path | None, dict | N
     return rows
 
 
+def serve_defaults(dtype: str | None = None) -> list[str]:
+    """SERVE_DEFAULTS, with `dtype` instead of its bfloat16 when given (float32 where the
+    CPU has no native bf16: vLLM's emulated bf16 there answers a scan many times slower)."""
+    defaults = list(SERVE_DEFAULTS)
+    if dtype is not None:
+        defaults[defaults.index("--dtype") + 1] = dtype
+    return defaults
+
+
 def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
-              window: int = CHUNKED["window"]) -> dict:
+              window: int = CHUNKED["window"], dtype: str | None = None) -> dict:
     """Serve `model` in `settings` and run the scanner's needle probe against it; its summary.
 
     The needles are placed for `window` (the table's, `CHUNKED`), not for
@@ -73,7 +82,7 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
 
     parser = argparse.ArgumentParser()
     scan_cli.add_arguments(parser)
-    with VllmServer(model, mode_args(settings), defaults=SERVE_DEFAULTS, timeout=600) as server:
+    with VllmServer(model, mode_args(settings), defaults=serve_defaults(dtype), timeout=600) as server:
         args = parser.parse_args([
             "--base-url", server.base_url, "--task", str(TASK_FILE), "--probe", "needle", "--hop", "4",
             "--per-phase", str(per_phase), "--needle-range", NEEDLE_RANGE, "--window", str(window),
