@@ -33,18 +33,17 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from vllm_chunked_kv.adapt import data, lora, probe
 from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.demo.attention import chunked_attention
+from vllm_chunked_kv.demo.attention import GAINS_LR_SCALE, chunked_attention, gain_weights, gains_apply
 
 CHECKPOINT = "checkpoint.pt"
-GAINS_LR_SCALE = 20.0  # the chunk_size gain logits learn faster than the adapters (as in the demo's gated fine-tune)
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class Adapted(NamedTuple):
 def check_options(cfg: ChunkedKVConfig, opts: AdaptOptions) -> None:
     """Refuse, by name, options the settings cannot train with."""
     precision(opts)
-    if opts.learn_gains and (cfg.pooling != "mean" or cfg.hop != cfg.chunk_size or cfg.keep_boundary):
+    if opts.learn_gains and not gains_apply(cfg):
         raise ValueError("learn_gains: needs pooling 'mean', hop == chunk_size and no keep_boundary in the settings "
                          "(the gains replace the mean)")
 
@@ -195,10 +194,10 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     import json
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    check_options(cfg, opts)  # before the model is touched
     adapters = lora.add_lora(model, opts.rank, opts.alpha, opts.seed, targets=lora.parse_targets(opts.targets))
     params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
-    check_options(cfg, opts)
     gains = None
     if opts.learn_gains:
         gains = torch.zeros(cfg.chunk_size, requires_grad=True)  # [chunk_size] logits; zeros: mean pooling
@@ -233,7 +232,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             rate = done / (time.perf_counter() - began)
             record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts), "steps_per_s": rate}
             if gains is not None:
-                record["slot_gains"] = _normalised(gains)
+                record["slot_gains"] = gain_weights(gains)
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
                 model.eval()
                 with torch.no_grad(), autocast(opts), chunked_attention(model, cfg, gains):
@@ -248,10 +247,5 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
                 _save_checkpoint(checkpoint, adapters, gains, optimizer, step + 1)
     model.eval()
-    return Adapted(adapters, records, None if gains is None else _normalised(gains))
-
-
-def _normalised(gains: torch.Tensor) -> list[float]:
-    """The slot weights of gain logits (their softmax), rounded for JSON."""
-    return [round(g, 6) for g in gains.detach().softmax(-1).tolist()]
+    return Adapted(adapters, records, None if gains is None else gain_weights(gains))
 

@@ -38,6 +38,7 @@ _GAINS_ATTR = "chunked_kv_gains"  # a 1-tuple holding the gain logits (a tuple, 
 _SHIFTS_ATTR = "chunked_kv_grid_shifts"  # per batch row grid shift, or None
 _OBSERVER_ATTR = "chunked_kv_observer"  # a 1-tuple holding observer(layer_idx, probs, folded_k, origins), or None
 _UNSET = object()  # marks an attribute the module did not have before `chunked_attention`
+GAINS_LR_SCALE = 20.0  # learning-rate multiplier of the gain logits: the chunk_size of them learn faster than weights
 
 
 def chunked_attention_forward(
@@ -81,9 +82,20 @@ def chunked_attention_forward(
     return out.to(query.dtype).contiguous(), None
 
 
+def gains_apply(cfg: ChunkedKVConfig) -> bool:
+    """Whether learned gains can replace `cfg`'s pooling: mean pooling of
+    non-overlapping chunks, no boundary retention."""
+    return cfg.pooling == "mean" and cfg.hop == cfg.chunk_size and not cfg.keep_boundary
+
+
+def gain_weights(gains: torch.Tensor) -> list[float]:
+    """The slot weights of gain logits (their softmax), rounded for JSON: `slot_gains` of pooling "gated"."""
+    return [round(g, 6) for g in gains.detach().softmax(-1).tolist()]
+
+
 def _with_gained_rows(ext, k, v, cfg: ChunkedKVConfig, origins: list[int], gains: torch.Tensor):
     """`ext` with its pooled rows replaced by gain-weighted ones (mean pooling of scaled keys/values)."""
-    if cfg.pooling != "mean" or cfg.hop != cfg.chunk_size or cfg.keep_boundary:
+    if not gains_apply(cfg):
         raise ValueError("learned gains need mean pooling, hop == chunk_size and no boundary retention")
     seq_len = k.shape[0]
     positions = torch.arange(seq_len).view(-1, 1)  # [T, 1]

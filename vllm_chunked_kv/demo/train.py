@@ -45,7 +45,7 @@ import torch
 
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.architecture import build_model
-from vllm_chunked_kv.demo.attention import chunked_attention
+from vllm_chunked_kv.demo.attention import GAINS_LR_SCALE, chunked_attention, gain_weights
 from vllm_chunked_kv.demo.data import IGNORE, batch
 
 # The compression the model is fine-tuned under (docs/design.md §8).
@@ -75,7 +75,6 @@ CURRICULUM = (
 )
 GAINS_FILE = "chunked_kv_gains.json"
 WARMUP_STEPS = 100
-GAINS_LR_SCALE = 20.0  # the 4 gain logits learn faster than the weights
 EMA = 0.95  # smoothing of the running accuracy
 
 
@@ -176,7 +175,7 @@ def train(seed: int, steps_scale: float = 1.0, log=print, gated: bool = False) -
     model.eval()
     if not gated:
         return Trained(model, record)
-    gains = [round(g, 6) for g in logits.detach().softmax(-1).tolist()]
+    gains = gain_weights(logits)
     log(f"learned slot gains {gains}")
     return Trained(model, record, gated_model.eval(), gains)
 
