@@ -211,7 +211,8 @@ def check_one(ops, cfg: ChunkedKVConfig, args, device) -> tuple[float, float]:
         plan = build_plan(batch, cfg, origins, bias=ops.needs_bias)
         query = torch.cat([q[r][lo:hi] for r, (lo, hi) in enumerate(lo_hi) if r in reqs]).to(device)
         rows = torch.cat([kv[r][lo:hi] for r, (lo, hi) in enumerate(lo_hi) if r in reqs]).to(device)
-        slots = torch.cat([raw_table[r][torch.arange(lo, hi) // per_block] * per_block + torch.arange(lo, hi) % per_block
+        positions = [torch.arange(lo, hi, device=raw_table.device) for lo, hi in lo_hi]  # [hi - lo] each
+        slots = torch.cat([raw_table[r][positions[r] // per_block] * per_block + positions[r] % per_block
                            for r, (lo, hi) in enumerate(lo_hi) if r in reqs])
         ops.write_raw(raw, rows, slots.to(device), plan.raw_writes)
         want = comp.clone()

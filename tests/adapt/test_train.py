@@ -13,8 +13,12 @@
   resume like the adapters, and are served as pooling "gated" on the same
   grid; settings they cannot replace the mean of are refused by name, as is
   a checkpoint written with the other choice.
-- Precision: bf16 autocast only where asked or (auto) where the CPU has
-  native bf16; fp32 otherwise; anything else is refused by name.
+- Precision: bf16 autocast only where asked or (auto) where the training
+  device has native bf16; fp32 otherwise; anything else is refused by name.
+- Device: auto trains on the first CUDA GPU when torch sees one, else on the
+  CPU; a GPU asked for where there is none, or a device that is neither, is
+  refused by name before the model is touched. On a GPU (skipped elsewhere)
+  the adapters train there and the saved state comes back to the CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_chunked_kv.adapt import train
+from vllm_chunked_kv.adapt import lora, train
 from vllm_chunked_kv.config import ChunkedKVConfig
 from tests.adapt.conftest import tiny_byte_llama
 
@@ -48,6 +52,29 @@ def test_precision_picks_bf16_only_where_it_is_native(monkeypatch):
         assert train.autocast(train.AdaptOptions())._enabled is native
     with pytest.raises(ValueError, match="precision"):
         train.autocast(train.AdaptOptions(precision="fp16"))
+
+
+def test_device_auto_prefers_a_gpu_and_bad_devices_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.device(train.AdaptOptions()) == torch.device("cpu")
+    assert train.autocast(train.AdaptOptions(precision="bf16")).device == "cpu"
+    for bad in ("cuda", "cuda:1", "tpu", "gpu"):
+        with pytest.raises(ValueError, match="device"):
+            train.check_options(CFG, train.AdaptOptions(device=bad))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train.device(train.AdaptOptions()) == torch.device("cuda")
+    for native in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: native)
+        assert train.precision(train.AdaptOptions()) == ("bf16" if native else "fp32")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trains_on_a_gpu(byte_tokenizer, tmp_path):
+    model = tiny_byte_llama()
+    opts = train.AdaptOptions(steps=3, lr=5e-3, warmup=1, device="cuda", learn_gains=True, **OPTS)
+    adapted = train.train(model, byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None)
+    assert all(a.lora_b.device.type == "cuda" and a.lora_b.abs().sum() > 0 for a in adapted.adapters.values())
+    assert all(t.device.type == "cpu" for t in lora.adapter_state(adapted.adapters).values())
 
 
 def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch):

@@ -99,10 +99,11 @@ def disabled(adapters: dict[str, LoRALinear]) -> Iterator[None]:
 
 
 def adapter_state(adapters: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
+    """{path.lora_a / path.lora_b: weights}, on the CPU whatever device trained them."""
     state = {}
     for path, a in adapters.items():
-        state[f"{path}.lora_a"] = a.lora_a.detach()
-        state[f"{path}.lora_b"] = a.lora_b.detach()
+        state[f"{path}.lora_a"] = a.lora_a.detach().cpu()
+        state[f"{path}.lora_b"] = a.lora_b.detach().cpu()
     return state
 
 

@@ -43,9 +43,9 @@ def needle_prompts(tokenizer, count: int, span: tuple[int, int] = (40, 400), see
 @torch.no_grad()
 def accuracy(model, prompts) -> float:
     """Fraction of prompts whose answer tokens are all the argmax, teacher-forced."""
-    correct = 0
+    correct, dev = 0, next(model.parameters()).device
     for prompt, answer in prompts:
-        ids = torch.tensor([prompt + answer])  # [1, T]
+        ids = torch.tensor([prompt + answer], device=dev)  # [1, T]
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [len(answer), vocab]
         correct += int(logits.argmax(-1).tolist() == answer)
     return correct / max(len(prompts), 1)

@@ -69,7 +69,8 @@ class AdaptOptions:
     eval_every: int = 0  # steps between retrieval probes (0: never)
     eval_prompts: int = 16
     init_adapter: str = ""  # an adapter directory to start from (train it further) instead of a fresh one
-    precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)
+    precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA)
+    device: str = "auto"  # cpu, cuda or cuda:N; auto: the first CUDA GPU if there is one, else the CPU
     learn_gains: bool = False  # learn per-slot pooling gains with the adapters (served as pooling "gated")
 
 
@@ -83,6 +84,7 @@ class Adapted(NamedTuple):
 
 def check_options(cfg: ChunkedKVConfig, opts: AdaptOptions) -> None:
     """Refuse, by name, options the settings cannot train with."""
+    device(opts)
     precision(opts)
     if opts.learn_gains and not gains_apply(cfg):
         raise ValueError("learn_gains: needs pooling 'mean', hop == chunk_size and no keep_boundary in the settings "
@@ -97,24 +99,42 @@ def serve_config(cfg: ChunkedKVConfig, gains: list[float] | None) -> ChunkedKVCo
     return ChunkedKVConfig.model_validate({**cfg.model_dump(), "pooling": "gated", "slot_gains": gains})
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it (an
-    AVX2-only CPU) bf16 is emulated and far slower than fp32."""
+def device(opts: AdaptOptions) -> torch.device:
+    """Where training runs: `opts.device`, or with "auto" the first CUDA GPU if torch sees one, else the CPU."""
+    if opts.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(opts.device)
+    except RuntimeError:
+        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {opts.device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {opts.device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {opts.device!r} asked for, but torch sees no CUDA GPU here")
+    return dev
+
+
+def native_bf16(dev: torch.device | None = None) -> bool:
+    """Whether `dev` (default: the CPU) computes bf16 natively: a CUDA GPU that supports it,
+    or a CPU with AVX-512 BF16 or AMX; without it (an AVX2-only CPU) bf16 is emulated and
+    far slower than fp32."""
+    if dev is not None and dev.type == "cuda":
+        return torch.cuda.is_bf16_supported()
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def precision(opts: AdaptOptions) -> str:
     """"bf16" or "fp32": the compute precision of training and the probe (fp32 master weights
-    either way); auto: bf16 where it is native (`native_bf16`)."""
+    either way); auto: bf16 where the training device computes it natively (`native_bf16`)."""
     if opts.precision == "auto":
-        return "bf16" if native_bf16() else "fp32"
+        return "bf16" if native_bf16(device(opts)) else "fp32"
     if opts.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision: expected auto, bf16 or fp32, got {opts.precision!r}")
     return opts.precision
 
 
 def autocast(opts: AdaptOptions):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision(opts) == "bf16")
+    return torch.autocast(device(opts).type, dtype=torch.bfloat16, enabled=precision(opts) == "bf16")
 
 
 def lr_at(step: int, opts: AdaptOptions) -> float:
@@ -171,7 +191,7 @@ def _save_checkpoint(path: Path, adapters, gains, optimizer, step: int) -> None:
 
 
 def _load_checkpoint(path: Path, adapters, gains, optimizer) -> int:
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, weights_only=True, map_location="cpu")
     if (gains is None) != ("gain_logits" not in state):
         raise ValueError(f"{path}: a checkpoint {'with' if 'gain_logits' in state else 'without'} learned gains; "
                          "resume it with the same --learn-gains as the run that wrote it")
@@ -186,8 +206,9 @@ def _load_checkpoint(path: Path, adapters, gains, optimizer) -> int:
 
 def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None,
           stop_after: int | None = None) -> Adapted:
-    """Adapt `model` (fp32, transformers Llama-like) in place; returns the adapters,
-    this call's log records and the learned gains (`Adapted`).
+    """Adapt `model` (fp32, transformers Llama-like) in place, on `opts.device` (the model
+    is moved there); returns the adapters, this call's log records and the learned
+    gains (`Adapted`).
 
     `work_dir` holds the checkpoint and `train_log.jsonl`; `stop_after`
     ends the run after that many steps of this call (for tests of resuming)."""
@@ -196,11 +217,13 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     check_options(cfg, opts)  # before the model is touched
     adapters = lora.add_lora(model, opts.rank, opts.alpha, opts.seed, targets=lora.parse_targets(opts.targets))
+    dev = device(opts)
+    model.to(dev)  # after add_lora: the adapters start from the same CPU draws on any device
     params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     gains = None
     if opts.learn_gains:
-        gains = torch.zeros(cfg.chunk_size, requires_grad=True)  # [chunk_size] logits; zeros: mean pooling
+        gains = torch.zeros(cfg.chunk_size, device=dev, requires_grad=True)  # [chunk_size] logits; zeros: mean pooling
         optimizer.add_param_group({"params": [gains], "lr_scale": GAINS_LR_SCALE})
         params = params + [gains]
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -218,7 +241,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             if stop_after is not None and done >= stop_after:
                 _save_checkpoint(checkpoint, adapters, gains, optimizer, step)
                 break
-            ids, labels = data.batch(step_rows(tokenizer, step, opts))
+            ids, labels = (t.to(dev) for t in data.batch(step_rows(tokenizer, step, opts)))
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, opts) * group.get("lr_scale", 1.0)
             model.train()

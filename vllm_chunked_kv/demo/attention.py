@@ -98,8 +98,8 @@ def _with_gained_rows(ext, k, v, cfg: ChunkedKVConfig, origins: list[int], gains
     if not gains_apply(cfg):
         raise ValueError("learned gains need mean pooling, hop == chunk_size and no boundary retention")
     seq_len = k.shape[0]
-    positions = torch.arange(seq_len).view(-1, 1)  # [T, 1]
-    slots = (positions - torch.tensor(origins).view(1, -1)) % cfg.chunk_size  # [T, b*Hkv]
+    positions = torch.arange(seq_len, device=k.device).view(-1, 1)  # [T, 1]
+    slots = (positions - torch.tensor(origins, device=k.device).view(1, -1)) % cfg.chunk_size  # [T, b*Hkv]
     scale = (cfg.chunk_size * gains.softmax(-1))[slots].unsqueeze(-1)  # [T, b*Hkv, 1]
     gained = extended_kv(k * scale, v * scale, cfg, origins)
     keys = torch.cat([ext.keys[:seq_len], gained.keys[seq_len:]])  # [T + N, b*Hkv, D]
