@@ -3,7 +3,8 @@
 - The command prints the adapted model's directory as its last line of
   standard output; the directory holds `chunked_kv_serve.json` with the
   settings the adapter was trained for (chunk 4, window 128, 4 sinks, grids
-  cycled over the layers), and differs from the base model only
+  cycled over the layers, pooling "gated" with the slot gains learned with
+  the adapter: unequal, summing to 1), and differs from the base model only
   in the attention projections (the merged adapter).
 - vLLM serves it with CHUNKED_KV in those settings (the backend is seen
   running) and it answers.
@@ -46,9 +47,11 @@ def adapted_dir(smollm2_dir, models_cache):
 
 def test_adapted_directory(adapted_dir, smollm2_dir):
     cfg = read_serve_config(adapted_dir)
-    assert (cfg.chunk_size, cfg.hop, cfg.window, cfg.sink_tokens, cfg.pooling) == (4, 4, 128, 4, "mean")
+    assert (cfg.chunk_size, cfg.hop, cfg.window, cfg.sink_tokens, cfg.pooling) == (4, 4, 128, 4, "gated")
+    gains = cfg.normalised_gains()
+    assert sum(gains) == pytest.approx(1.0) and max(gains) - min(gains) > 0.1, gains  # learned, not the mean
     cycle = [[0, 2, 0], [1, 3, 1], [2, 0, 2], [3, 1, 3]]  # grids cycled over layers (models/adapters/.../ADAPT.md)
-    assert cfg.stagger == [cycle[layer % 4] for layer in range(30)]
+    assert [list(cfg.origins(layer, 3)) for layer in range(30)] == [cycle[layer % 4] for layer in range(30)]
     base, merged = load_file(str(smollm2_dir / "model.safetensors")), load_file(str(adapted_dir / "model.safetensors"))
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
     assert len(changed) == 30 * 4

@@ -47,6 +47,14 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def where_trained(opts) -> str:
+    """The GPU's name, or the CPU threads and processor, that `opts` trains on."""
+    dev = train.device(opts)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{torch.get_num_threads()} threads ({platform.processor() or platform.machine()})"
+
+
 def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_path: Path) -> Path:
     """ADAPT.md: the command, the settings, the time, the loss curve summary and the probe scores."""
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
@@ -67,8 +75,8 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         f"- served with: `--attention-backend chunked_kv --additional-config '{json.dumps({'chunked_kv': serve_settings(cfg)})}'`"
         " (also in `chunked_kv_serve.json`)",
         f"- options: `{json.dumps(asdict(opts))}`",
-        f"- time of this run: {seconds / 60:.1f} min in {train.precision(opts)} on {torch.get_num_threads()} threads "
-        f"({platform.processor() or platform.machine()}), torch {torch.__version__}; steps logged: {len(records)}; "
+        f"- time of this run: {seconds / 60:.1f} min in {train.precision(opts)} on {where_trained(opts)}, "
+        f"torch {torch.__version__}; steps logged: {len(records)}; "
         f"peak resident memory {peak_rss_gib():.1f} GiB",
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "
         f"last 10 steps {mean(last, 'loss'):.3f} (CE {mean(last, 'ce'):.3f})",
