@@ -18,20 +18,21 @@ cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-TORCH_CUDA_ARCH_LIST=$(python -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+py=${PYTHON:-$(command -v python3 || command -v python)}  # GPU images often have python3 only
+TORCH_CUDA_ARCH_LIST=$("$py" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST CHUNKED_KV_BUILD_CUDA=1
 
-echo "== device: $(python -c 'import torch; print(torch.cuda.get_device_name())'), arch $TORCH_CUDA_ARCH_LIST"
-python -c "from vllm_chunked_kv.ops import cuda_ext; import sys; m = cuda_ext.load(); print('extension:', m or cuda_ext.unavailable_reasons()); sys.exit(m is None)"
+echo "== device: $("$py" -c 'import torch; print(torch.cuda.get_device_name())'), arch $TORCH_CUDA_ARCH_LIST"
+"$py" -c "from vllm_chunked_kv.ops import cuda_ext; import sys; m = cuda_ext.load(); print('extension:', m or cuda_ext.unavailable_reasons()); sys.exit(m is None)"
 
 echo "== kernel tests on the GPU"
 tests=(tests/ops/test_cuda_ext.py)
-if python -c "import vllm" 2>/dev/null; then tests+=(tests/ops/test_decode_plan.py); else echo "(no vLLM here: decode-plan tests skipped)"; fi
-python -m pytest -q -rs -p no:cacheprovider "${tests[@]}" -k "gpu or decode" 2>&1 | tee "$out/tests.txt"
+if "$py" -c "import vllm" 2>/dev/null; then tests+=(tests/ops/test_decode_plan.py); else echo "(no vLLM here: decode-plan tests skipped)"; fi
+"$py" -m pytest -q -rs -p no:cacheprovider "${tests[@]}" -k "gpu or decode" 2>&1 | tee "$out/tests.txt"
 
 echo "== timings"
 for head in 64 128 256; do
-    python benchmarks/gpu_kernels.py --head-size "$head" --contexts 8192,32768,131072 --batches 1,64 \
+    "$py" benchmarks/gpu_kernels.py --head-size "$head" --contexts 8192,32768,131072 --batches 1,64 \
         --prefill-tokens 2048 --repeats 10 --json "$out/gpu_kernels_h$head.json" | tee "$out/gpu_kernels_h$head.md"
 done
 echo "== results in $out/"

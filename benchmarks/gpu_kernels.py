@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -184,7 +185,13 @@ def run_checks(impls: list[str], mitigations: list[str], args, device) -> list[d
             attend_err, write_err = check_one(dispatch.ops(impl), cfg, small, device)
             for op, err in (("attend", attend_err), ("write_chunks", write_err)):
                 results.append({"impl": impl, "op": op, "mitigation": name, "max_abs_err": err, "ok": err <= 1e-3})
+            progress(f"check {impl} {name}: attend {attend_err:.1e}, write_chunks {write_err:.1e}")
     return results
+
+
+def progress(line: str) -> None:
+    """One line on stderr as each check and timing ends (the tables print at the end)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_one(ops, cfg: ChunkedKVConfig, args, device) -> tuple[float, float]:
@@ -303,6 +310,7 @@ def run_timings(impls, mitigations, args, device, dtype, copy_gbps) -> list[dict
             except Exception as exc:  # one failing kernel must not hide the others' numbers
                 row.update(ms=None, gbps=None, fraction_of_copy=None, status=f"failed: {type(exc).__name__}: {exc}"[:300])
             rows.append(row)
+            progress(f"{mode} context {seq_lens[0]} batch {batch_size} {impl} {mitigation}: {row['status']} {row['ms']} ms")
 
         for impl in impls:
             ops = dispatch.ops(impl)
