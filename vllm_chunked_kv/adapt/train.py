@@ -106,8 +106,8 @@ def device(opts: AdaptOptions) -> torch.device:
     try:
         dev = torch.device(opts.device)
     except RuntimeError:
-        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {opts.device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
+        dev = None  # not a device name torch knows
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected auto, cpu or cuda[:N], got {opts.device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {opts.device!r} asked for, but torch sees no CUDA GPU here")
