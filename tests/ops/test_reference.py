@@ -8,7 +8,9 @@
 - The proportional logit makes a chunk of identical tokens weigh like the
   raw tokens it replaced.
 - Pooling: gated one-hot gains pick their slot, key_norm weights are the
-  softmax of the key norms, keep_boundary pools the chunk_size - 2 interior.
+  softmax of the key norms, keep_boundary pools the chunk_size - 2 interior;
+  explicit slot weights (learned gains) pool like gated with those gains,
+  carry gradients, and keep cfg's logit bias.
 - Staggered grids: all origins 0 is the unstaggered result.
 
 The vectorised form is held to this module in `test_masked.py`.
@@ -135,6 +137,23 @@ def test_pooling_modes():
     torch.testing.assert_close(row_k, keys.mean(-2))
     _, _, log_w = pool_chunk(keys, values, ChunkedKVConfig(proportional=False))
     assert torch.all(log_w == 0)
+
+
+def test_explicit_slot_weights_pool_like_gated():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(5, 3, 4, 8, generator=gen)  # [chunks, heads, chunk_size, head_dim]
+    values = torch.randn(5, 3, 4, 8, generator=gen)
+    logits = torch.randn(4, generator=gen).requires_grad_()
+    row_k, row_v, log_w = pool_chunk(keys, values, ChunkedKVConfig(), logits.softmax(-1))
+    gated = ChunkedKVConfig(pooling="gated", slot_gains=logits.softmax(-1).tolist())
+    want_k, want_v, want_log_w = pool_chunk(keys, values, gated)
+    torch.testing.assert_close(row_k, want_k)
+    torch.testing.assert_close(row_v, want_v)
+    torch.testing.assert_close(log_w, want_log_w)
+    row_k.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="4 slot weights"):
+        pool_chunk(keys, values, ChunkedKVConfig(), torch.ones(3) / 3)
 
 
 def test_keep_boundary_pools_the_interior():

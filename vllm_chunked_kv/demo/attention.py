@@ -10,10 +10,11 @@ same function trains the model under compression.
 
 Learned per-slot gains (the trainable stand-in for DeepSeek-V4's gate,
 served as `pooling="gated"`): with `gains` (a tensor of `chunk_size` logits;
-the weights are their softmax), each key and value is scaled by
-`chunk_size * weight[slot]` before the reference's mean pooling, so a pooled
-row is the gain-weighted sum of its chunk; raw rows stay unscaled. This
-equals the reference's gated pooling with those weights as `slot_gains`.
+the weights are their softmax), the reference pools each chunk with those
+weights in place of the mean (`extended_kv`'s `weights`), so a pooled row is
+the gain-weighted sum of its chunk and gradients reach the logits; raw rows
+are untouched. This equals the reference's gated pooling with those weights
+as `slot_gains`.
 
 Sequences must be unpadded and start at position 0 (true for the demo's
 training batches and its equal-length evaluation batches). With per-request
@@ -63,10 +64,11 @@ def chunked_attention_forward(
     origins = [grid.shifted(cfg, o, shift) for shift in shifts for o in heads]  # one per folded (batch, head)
     folded_k = key.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, head_dim)  # [T, b*Hkv, D]
     folded_v = value.permute(2, 0, 1, 3).reshape(seq_len, batch * num_kv_heads, -1)  # [T, b*Hkv, Dv]
-    ext = extended_kv(folded_k, folded_v, cfg, origins)
     gains = getattr(module, _GAINS_ATTR, (None,))[0]
-    if gains is not None:
-        ext = _with_gained_rows(ext, folded_k, folded_v, cfg, origins, gains)
+    if gains is not None and not gains_apply(cfg):
+        raise ValueError("learned gains need mean pooling, hop == chunk_size and no boundary retention")
+    weights = None if gains is None else gains.softmax(-1)  # [chunk_size]
+    ext = extended_kv(folded_k, folded_v, cfg, origins, weights=weights)
     ext_len = ext.keys.shape[0]  # T + N
     keys = ext.keys.view(ext_len, batch, num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [b, Hkv, T+N, D]
     values = ext.values.view(ext_len, batch, num_kv_heads, -1).permute(1, 2, 0, 3)  # [b, Hkv, T+N, Dv]
@@ -91,20 +93,6 @@ def gains_apply(cfg: ChunkedKVConfig) -> bool:
 def gain_weights(gains: torch.Tensor) -> list[float]:
     """The slot weights of gain logits (their softmax), rounded for JSON: `slot_gains` of pooling "gated"."""
     return [round(g, 6) for g in gains.detach().softmax(-1).tolist()]
-
-
-def _with_gained_rows(ext, k, v, cfg: ChunkedKVConfig, origins: list[int], gains: torch.Tensor):
-    """`ext` with its pooled rows replaced by gain-weighted ones (mean pooling of scaled keys/values)."""
-    if not gains_apply(cfg):
-        raise ValueError("learned gains need mean pooling, hop == chunk_size and no boundary retention")
-    seq_len = k.shape[0]
-    positions = torch.arange(seq_len, device=k.device).view(-1, 1)  # [T, 1]
-    slots = (positions - torch.tensor(origins, device=k.device).view(1, -1)) % cfg.chunk_size  # [T, b*Hkv]
-    scale = (cfg.chunk_size * gains.softmax(-1))[slots].unsqueeze(-1)  # [T, b*Hkv, 1]
-    gained = extended_kv(k * scale, v * scale, cfg, origins)
-    keys = torch.cat([ext.keys[:seq_len], gained.keys[seq_len:]])  # [T + N, b*Hkv, D]
-    values = torch.cat([ext.values[:seq_len], gained.values[seq_len:]])  # [T + N, b*Hkv, Dv]
-    return ext._replace(keys=keys, values=values)
 
 
 def _register() -> None:

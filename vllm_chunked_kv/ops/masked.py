@@ -76,11 +76,14 @@ def extended_kv(
     cfg: ChunkedKVConfig,
     origins: Sequence[int] | torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> ExtendedKV:
     """Build the extended key set of one sequence: k, v ``[T, num_kv_heads,
     head_dim]`` (keys after RoPE). Row ``T + c`` of head ``h`` is chunk ``c``
     of that head's grid (a padding row, always masked, if it does not fit).
-    The bias covers queries at ``positions`` ``[L]`` (default: all T)."""
+    The bias covers queries at ``positions`` ``[L]`` (default: all T).
+    ``weights`` ``[chunk_size]``: slot weights replacing ``cfg``'s pooling
+    (`reference.pool_chunk`; learned gains, fixed chunks only)."""
     seq_len, num_kv_heads, head_dim = k.shape
     dynamic, cfg_in = cfg.boundaries == "dynamic", cfg
     cfg = cfg.storage_grid()  # dynamic boundaries: the grid of units, each holding its chunk's row
@@ -92,11 +95,13 @@ def extended_kv(
     heads = torch.arange(num_kv_heads, device=k.device).view(1, -1, 1)  # [1, Hkv, 1]
     chunk_k = k[slots, heads]  # [N, Hkv, chunk_size, head_dim]
     chunk_v = v[slots, heads]  # [N, Hkv, chunk_size, head_dim]
+    if weights is not None and dynamic:
+        raise ValueError("slot weights need fixed chunk boundaries")
     if n and dynamic:
         row_k, row_v, _ = boundaries.unit_rows(k, v, cfg_in)  # [N, Hkv, head_dim] x2
         log_weight = torch.full((n, num_kv_heads), cfg.log_weight, dtype=torch.float32, device=k.device)
     elif n:
-        row_k, row_v, log_weight = pool_chunk(chunk_k, chunk_v, cfg)  # [N, Hkv, head_dim] x2, [N, Hkv]
+        row_k, row_v, log_weight = pool_chunk(chunk_k, chunk_v, cfg, weights)  # [N, Hkv, head_dim] x2, [N, Hkv]
     else:
         row_k = k.new_zeros((n, num_kv_heads, head_dim), dtype=torch.float32)
         row_v = v.new_zeros((n, num_kv_heads, v.shape[-1]), dtype=torch.float32)

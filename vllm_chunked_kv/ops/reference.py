@@ -80,7 +80,7 @@ def slot_weights(keys: torch.Tensor, cfg: ChunkedKVConfig) -> torch.Tensor:
 
 
 def pool_chunk(
-    keys: torch.Tensor, values: torch.Tensor, cfg: ChunkedKVConfig
+    keys: torch.Tensor, values: torch.Tensor, cfg: ChunkedKVConfig, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pool chunks into compressed rows.
 
@@ -88,10 +88,16 @@ def pool_chunk(
     leading dims (chunks, heads). Returns fp32 ``(key_row [..., head_dim],
     value_row [..., head_dim], log_weight [...])``, where log_weight is the
     logit bias of the row: ``log(pooled positions)`` if proportional, else 0.
+    ``weights`` ``[chunk_size]``, if given, replace ``slot_weights`` (learned
+    gains in training, with gradients; the logit bias stays ``cfg``'s).
     """
     if keys.shape[-2] != cfg.chunk_size or values.shape[:-1] != keys.shape[:-1]:
         raise ValueError(f"expected [..., {cfg.chunk_size}, head_dim] keys and values, got {tuple(keys.shape)}, {tuple(values.shape)}")
-    weights = slot_weights(keys, cfg).unsqueeze(-1)  # [..., chunk_size] -> [..., chunk_size, 1]
+    if weights is None:
+        weights = slot_weights(keys, cfg)  # [..., chunk_size]
+    elif weights.shape != (cfg.chunk_size,):
+        raise ValueError(f"expected {cfg.chunk_size} slot weights, got shape {tuple(weights.shape)}")
+    weights = weights.float().unsqueeze(-1)  # [..., chunk_size] -> [..., chunk_size, 1]
     key_row = (weights * keys.float()).sum(dim=-2)  # -> [..., head_dim]
     value_row = (weights * values.float()).sum(dim=-2)  # -> [..., head_dim]
     log_weight = torch.full(keys.shape[:-2], cfg.log_weight, dtype=torch.float32, device=keys.device)
