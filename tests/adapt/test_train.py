@@ -12,7 +12,8 @@
   adapters (they leave the uniform start, so the chunked forward used them),
   resume like the adapters, and are served as pooling "gated" on the same
   grid; settings they cannot replace the mean of are refused by name, as is
-  a checkpoint written with the other choice.
+  a checkpoint written with the other choice. A run started from a saved
+  adapter with gains (`init_adapter`) starts from its gains.
 - Precision: bf16 autocast only where asked or (auto) where the training
   device has native bf16; fp32 otherwise; anything else is refused by name.
 - Device: auto trains on the first CUDA GPU when torch sees one, else on the
@@ -113,12 +114,19 @@ def test_learned_gains_train_and_are_served_gated(byte_tokenizer, tmp_path):
     assert max(abs(g - 0.25) for g in adapted.gains) > 1e-3, adapted.gains  # they moved: the chunked rows used them
     assert [r["slot_gains"] for r in adapted.records][-1] == adapted.gains
     served = train.serve_config(CFG, adapted.gains)
-    assert served.pooling == "gated" and served.normalised_gains() == pytest.approx(adapted.gains)
+    assert served.pooling == "gated" and served.normalised_gains() == pytest.approx(adapted.gains, abs=1e-5)  # gains are rounded to 6 places
     assert served.model_dump(exclude={"pooling", "slot_gains"}) == CFG.model_dump(exclude={"pooling", "slot_gains"})
     assert train.serve_config(CFG, None) is CFG
 
     with pytest.raises(ValueError, match="learn_gains"):
         train.check_options(CFG.model_copy(update={"hop": 2}), opts)
+    saved = tmp_path / "saved"
+    lora.save_adapter(adapted.adapters, saved, {"slot_gains": adapted.gains})
+    messages = []
+    first = train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(
+        steps=1, lr=1e-9, warmup=1, learn_gains=True, init_adapter=str(saved), **OPTS), tmp_path / "more", log=messages.append)
+    assert first.gains == pytest.approx(adapted.gains, abs=1e-5)  # continued from them (a step of lr 2e-8 moves nothing)
+    assert any("slot gains" in m for m in messages)
     with pytest.raises(ValueError, match="with learned gains"):  # a checkpoint with gains, resumed without
         train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(steps=7, **OPTS), tmp_path,
                     log=lambda m: None)

@@ -119,8 +119,9 @@ def save_adapter(adapters: dict[str, LoRALinear], out_dir: Path, meta: dict) -> 
     (out_dir / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
-    """Start `adapters` from a saved adapter (to train it further).
+def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> list[float] | None:
+    """Start `adapters` from a saved adapter (to train it further); returns the
+    slot gains it was adapted with (`adapter.json`), or None if it pools by the mean.
 
     The saved rank may be lower than this run's if the scale ``alpha / rank``
     is the same: it fills the first components (A's first rows, B's first
@@ -144,6 +145,7 @@ def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> None:
             continue
         a.lora_a.data[:saved_rank].copy_(state[f"{path}.lora_a"])  # [saved_rank, in]
         a.lora_b.data[:, :saved_rank].copy_(state[f"{path}.lora_b"])  # [out, saved_rank]
+    return meta.get("slot_gains")
 
 
 def merge_into(model: nn.Module, adapter_dir: Path) -> int:

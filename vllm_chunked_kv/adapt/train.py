@@ -17,7 +17,8 @@ Each step (docs/adapt.md has the reasons and what was tried):
   per-slot gains (one softmax over `chunk_size` logits, shared by every layer
   and head; `demo.attention`'s gains), trained with the adapters at
   `GAINS_LR_SCALE` times their learning rate; the model is then served with
-  `pooling="gated"` and those gains (`serve_config`).
+  `pooling="gated"` and those gains (`serve_config`); an `init_adapter`
+  adapted with gains continues from them.
 
 A checkpoint (adapters, gain logits, optimizer, step) is written atomically every
 `checkpoint_every` steps; a run started again on the same output directory
@@ -232,8 +233,15 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     if start:
         log(f"resuming from step {start} ({checkpoint})")
     elif opts.init_adapter:
-        lora.load_into(adapters, Path(opts.init_adapter))
+        saved_gains = lora.load_into(adapters, Path(opts.init_adapter))
         log(f"starting from the adapter in {opts.init_adapter}")
+        if saved_gains is not None and gains is not None:
+            with torch.no_grad():  # logits whose softmax is the saved gains
+                gains.copy_(torch.tensor(saved_gains, dtype=torch.float32).clamp(min=1e-12).log())
+            log(f"and from its slot gains {saved_gains}")
+        elif saved_gains is not None:
+            log(f"note: {opts.init_adapter} was adapted with slot gains {saved_gains}; "
+                "without --learn-gains this run pools chunks by their mean")
     prompts = probe.needle_prompts(tokenizer, opts.eval_prompts) if opts.eval_every else []
     records, began, done = [], time.perf_counter(), 0
     with open(work_dir / "train_log.jsonl", "a") as log_file:
