@@ -7,7 +7,8 @@
   2, 4, for any valid config and grid origins.
 - `extended_kv` appends one padded row per chunk and head, with a bias of
   ``-inf``, ``0`` on raw rows and ``log_weight`` on pooled rows; origins out
-  of ``[0, hop)`` are refused.
+  of ``[0, hop)`` are refused, as are slot weights with dynamic boundaries
+  (whose rows would not use them).
 - Staggered grids keep the same rows per token as the unstaggered one, plus
   fewer than hop raw rows on average (the positions before the origin).
 """
@@ -91,3 +92,6 @@ def test_extended_kv_shapes_and_bias():
     assert torch.all((raw == float("-inf")) | (raw == 0))
     with pytest.raises(ValueError):
         extended_kv(k, v, cfg, origins=[0, 4])
+    dynamic = ChunkedKVConfig(boundaries="dynamic", chunk_size=4, min_chunk=2, window=16, sink_tokens=1)
+    with pytest.raises(ValueError, match="fixed chunk boundaries"):
+        extended_kv(k, v, dynamic, weights=torch.full((dynamic.chunk_size,), 0.25))

@@ -86,6 +86,8 @@ def extended_kv(
     (`reference.pool_chunk`; learned gains, fixed chunks only)."""
     seq_len, num_kv_heads, head_dim = k.shape
     dynamic, cfg_in = cfg.boundaries == "dynamic", cfg
+    if weights is not None and dynamic:
+        raise ValueError("slot weights need fixed chunk boundaries")
     cfg = cfg.storage_grid()  # dynamic boundaries: the grid of units, each holding its chunk's row
     o = _origins_tensor(origins, num_kv_heads, cfg, k.device)
     n = num_chunks(seq_len, cfg, o)
@@ -95,8 +97,6 @@ def extended_kv(
     heads = torch.arange(num_kv_heads, device=k.device).view(1, -1, 1)  # [1, Hkv, 1]
     chunk_k = k[slots, heads]  # [N, Hkv, chunk_size, head_dim]
     chunk_v = v[slots, heads]  # [N, Hkv, chunk_size, head_dim]
-    if weights is not None and dynamic:
-        raise ValueError("slot weights need fixed chunk boundaries")
     if n and dynamic:
         row_k, row_v, _ = boundaries.unit_rows(k, v, cfg_in)  # [N, Hkv, head_dim] x2
         log_weight = torch.full((n, num_kv_heads), cfg.log_weight, dtype=torch.float32, device=k.device)
