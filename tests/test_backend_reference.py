@@ -1,5 +1,5 @@
 """CHUNKED_KV in vLLM computes docs/design.md §3-4 exactly: for every mitigation x
-pooling mode (and staggered grids, per-request grid alignment, whose
+pooling mode (and staggered grids, slot gains per layer, per-request grid alignment, whose
 prompts cover every length mod hop, and dynamic boundaries), greedy tokens from `vllm` equal those of
 the same model run in transformers with the reference chunked attention, on
 20 prompts longer than window + 4 * chunk_size, generated under chunked
@@ -36,6 +36,7 @@ CASES = {
     "stride2-key_norm": dict(mitigation="stride2", chunk_size=2, pooling="key_norm"),
     "stagger-heads": dict(mitigation="stagger", sink_tokens=1),
     "stagger-gated": dict(mitigation="stagger", pooling="gated", slot_gains=GAINS),
+    "per-layer-gated": dict(mitigation="stagger", pooling="gated", slot_gains=[[0.0, 0.0, 0.1, 0.9], [0.9, 0.1, 0.0, 0.0]]),
     "stagger-key_norm": dict(mitigation="stagger", pooling="key_norm", sink_tokens=2),
     "stagger-layers": dict(stagger="layers", sink_tokens=1),
     "no-proportional": dict(mitigation="none", proportional=False),
@@ -84,3 +85,6 @@ def test_vllm_equals_reference(case, request):
     assert result["outputs"][0] == expected
     # The case must exercise compression: full attention answers differently somewhere.
     assert reference_greedy(model, None, batch) != expected
+    if cfg.per_layer_gains:  # and each layer its own gains: layer 0's everywhere answers differently
+        first = ChunkedKVConfig.from_additional_config({"chunked_kv": {**settings, "slot_gains": cfg.slot_gains[0]}})
+        assert reference_greedy(model, first, batch) != expected

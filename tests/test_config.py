@@ -72,6 +72,11 @@ def test_presets_fill_fields(settings, chunk_size, hop, keep_boundary, stagger):
         ({"pooling": "gated", "slot_gains": [1.0, float("nan"), 1.0, 1.0]}, "slot_gains"),
         ({"pooling": "gated", "slot_gains": [1.0, 0.0, 0.0, 1.0], "mitigation": "boundary"}, "slot_gains"),
         ({"pooling": "mean", "slot_gains": [1.0, 1.0, 1.0, 1.0]}, "slot_gains"),
+        ({"pooling": "gated", "slot_gains": [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0]]}, "slot_gains[1]"),
+        ({"pooling": "gated", "slot_gains": [[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]}, "slot_gains[1]"),
+        ({"pooling": "gated", "slot_gains": [[-1.0, 1.0, 1.0, 1.0]]}, "slot_gains[0]"),
+        ({"pooling": "gated", "slot_gains": [[1.0, 1.0, 1.0, 1.0], 1.0]}, "slot_gains"),
+        ({"pooling": "mean", "slot_gains": [[1.0, 1.0, 1.0, 1.0]]}, "slot_gains"),
         ({"proportional": "yes"}, "proportional"),
         ({"mitigation": "half"}, "mitigation"),
         ({"mitigation": "stride2", "chunk_size": 4}, "chunk_size"),
@@ -215,6 +220,28 @@ def test_normalised_gains_and_log_weight():
     assert ChunkedKVConfig(proportional=False).log_weight == 0.0
     with pytest.raises(ValueError):
         ChunkedKVConfig(pooling="key_norm").normalised_gains()
+
+
+def test_per_layer_gains():
+    """One list of slot gains per layer: each layer's settings (`for_layer`) pool
+    with its own; the model-wide view has no single set; the count must match
+    the model's layers."""
+    cfg = ChunkedKVConfig(pooling="gated", slot_gains=[[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 0.0]], stagger="layers")
+    assert cfg.per_layer_gains and not ChunkedKVConfig(pooling="gated", slot_gains=[1.0, 0, 0, 0]).per_layer_gains
+    assert cfg.for_layer(0).normalised_gains() == pytest.approx([0.25] * 4)
+    assert cfg.for_layer(1).normalised_gains() == pytest.approx([0.0, 0.5, 0.5, 0.0])
+    assert cfg.for_layer(1).model_dump(exclude={"slot_gains"}) == cfg.model_dump(exclude={"slot_gains"})
+    assert ChunkedKVConfig().for_layer(7) == ChunkedKVConfig()
+    with pytest.raises(ValueError, match="for_layer"):
+        cfg.normalised_gains()
+    with pytest.raises(ChunkedKVConfigError, match=r"^chunked_kv\.slot_gains: has no gains for layer 2"):
+        cfg.for_layer(2)
+    cfg.check_model(2, 3)
+    cfg.check_model(1, 3, exact_layers=False)
+    for layers in (1, 3):
+        with pytest.raises(ChunkedKVConfigError, match=r"^chunked_kv\.slot_gains: needs one list per layer"):
+            cfg.check_model(layers, 3)
+    json.dumps(cfg.describe())
 
 
 def test_origins():

@@ -282,7 +282,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         settings.remember(self.config)
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._static_forward_context = vllm_config.compilation_config.static_forward_context
-        self._origins_cache: tuple[int, ...] | None = None
+        self._layer_cache: tuple[tuple[int, ...], ChunkedKVConfig] | None = None
         self._raw_pages = None
         device = vllm_config.device_config.device if vllm_config.device_config is not None else None
         impl = dispatch.choose(device, head_size=head_size, group=num_heads // num_kv_heads)
@@ -296,9 +296,11 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
             keep = layout.model_forever_raw(self.config, self._total_kv_heads)
             self._raw_pages = attach_raw_pages(self, self.config, keep, self._static_forward_context)
 
-    def _origins(self, layer) -> tuple[int, ...]:
-        """Grid origin of each local KV head (global head index under TP)."""
-        if self._origins_cache is None:
+    def _layer_settings(self, layer) -> tuple[tuple[int, ...], ChunkedKVConfig]:
+        """This layer's grid origin of each local KV head (global head index
+        under TP) and the settings it pools with (`ChunkedKVConfig.for_layer`:
+        its own slot gains when they are per layer)."""
+        if self._layer_cache is None:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
             from vllm.model_executor.models.utils import extract_layer_index
 
@@ -306,8 +308,8 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
             all_origins = self.config.origins(layer_idx, self._total_kv_heads)
             heads = global_kv_heads(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
                                     self.num_kv_heads, self._total_kv_heads)
-            self._origins_cache = tuple(all_origins[h] for h in heads)
-        return self._origins_cache
+            self._layer_cache = tuple(all_origins[h] for h in heads), self.config.for_layer(layer_idx)
+        return self._layer_cache
 
     def forward(
         self,
@@ -333,9 +335,10 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         raw_pages = self._raw_pages
         raw = _step_metadata(raw_pages.layer_name)
         ops = self.ops
-        plan = attn_metadata.plan(self.config, self._origins(layer), raw, ops.needs_bias)
+        origins, layer_cfg = self._layer_settings(layer)
+        plan = attn_metadata.plan(self.config, origins, raw, ops.needs_bias)
         ops.write_raw(raw_pages.kv_cache, step_rows, raw.slot_mapping[:n], plan.raw_writes)
-        ops.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, self.config, self.head_size)
+        ops.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, layer_cfg, self.head_size)
         out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
         if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
             out = None

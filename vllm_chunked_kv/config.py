@@ -21,75 +21,13 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from vllm_chunked_kv import boundaries
+from vllm_chunked_kv.config_errors import ADDITIONAL_CONFIG_KEY, ChunkedKVConfigError, fail
 from vllm_chunked_kv.presets import PRESETS, PresetError, preset_values
 
-ADDITIONAL_CONFIG_KEY = "chunked_kv"
+__all__ = ["ADDITIONAL_CONFIG_KEY", "GAINS_FILE", "ChunkedKVConfig", "ChunkedKVConfigError", "fail", "gain_rows"]
 GAINS_FILE = "chunked_kv_gains.json"  # learned per-slot gains shipped in a model directory
-
-
-class ChunkedKVConfigError(ValueError):
-    """A bad chunked_kv setting; ``str()`` is one line naming the field."""
-
-    def __init__(self, field: str | None, detail: str):
-        self.field = field
-        self.detail = detail
-        where = ADDITIONAL_CONFIG_KEY if field is None else f"{ADDITIONAL_CONFIG_KEY}.{field}"
-        super().__init__(f"{where}: {detail}")
-
-    def __reduce__(self):  # travels to and from worker processes intact
-        return type(self), (self.field, self.detail)
-
-    @classmethod
-    def from_validation_error(cls, exc: ValidationError, allowed: tuple[str, ...]) -> ChunkedKVConfigError:
-        """The first error of a pydantic ValidationError, as one line."""
-        errors = exc.errors()
-        field, detail = _describe_error(errors[0], allowed)
-        if len(errors) > 1:
-            detail += f" (and {len(errors) - 1} more error(s))"
-        return cls(field, detail)
-
-
-def fail(field: str | None, detail: str) -> PydanticCustomError:
-    """An error raised inside validation that remembers which field it is about."""
-    return PydanticCustomError("chunked_kv", "{detail}", {"field": field, "detail": detail})
-
-
-_CHOICES = {
-    "mitigation": tuple(PRESETS),
-    "pooling": ("mean", "gated", "key_norm"),
-    "align": ("none", "prompt_end"),
-    "boundaries": ("fixed", "dynamic"),
-}
-
-
-def _describe_error(err: Mapping[str, Any], allowed: tuple[str, ...]) -> tuple[str | None, str]:
-    """(field, detail) for one pydantic error dict."""
-    kind, loc, ctx = err["type"], err.get("loc", ()), err.get("ctx") or {}
-    if kind == "chunked_kv":
-        return ctx["field"], ctx["detail"]
-    if kind == "extra_forbidden":
-        return None, f"unknown key {loc[0]!r} (allowed: {', '.join(allowed)})"
-    field = str(loc[0]) + "".join(f"[{part}]" for part in loc[1:]) if loc else None
-    if kind == "value_error":  # our field validators put the input in the message
-        return field, str(ctx.get("error", err["msg"]))
-    if kind == "literal_error":
-        detail = "must be one of " + ", ".join(_CHOICES.get(str(loc[0]), ()))
-    elif kind in ("greater_than_equal", "greater_than"):
-        detail = f"must be >= {ctx['ge']}" if "ge" in ctx else f"must be > {ctx['gt']}"
-    elif kind.startswith("int_"):
-        detail = "must be an integer"
-    elif kind.startswith("float_") or kind == "finite_number":
-        detail = "must be a finite number"
-    elif kind.startswith("bool_"):
-        detail = "must be true or false"
-    elif kind.startswith("list_"):
-        detail = "must be a list"
-    else:
-        detail = err["msg"][:1].lower() + err["msg"][1:]
-    return field, f"{detail} (got {err.get('input')!r})"
 
 
 class _ChunkedKVFields(BaseModel):
@@ -114,9 +52,10 @@ class _ChunkedKVFields(BaseModel):
     """How a sealed chunk's rows are pooled: uniform weights, fixed per-slot
     gains (slot_gains), or the softmax of the keys' L2 norms."""
 
-    slot_gains: list[float] | None = None
+    slot_gains: list[float] | list[list[float]] | None = None
     """Per-slot gains for pooling 'gated' (required then, forbidden otherwise):
-    chunk_size non-negative finite numbers with a positive sum; normalised."""
+    chunk_size non-negative finite numbers with a positive sum, normalised; or
+    one such list per layer (each layer pools with its own, `for_layer`)."""
 
     proportional: bool = True
     """Add log(n) to the logit of a compressed row standing for n tokens."""
@@ -167,15 +106,11 @@ class _ChunkedKVFields(BaseModel):
     reserved; docs/prefix-caching.md). False: only the reserved raw tails,
     as vLLM keeps for its own sliding-window layers."""
 
-    @field_validator("slot_gains")
+    @field_validator("slot_gains", mode="before")
     @classmethod
-    def _check_gains(cls, gains: list[float] | None) -> list[float] | None:
-        if gains is None:
-            return None
-        if not all(math.isfinite(g) and g >= 0 for g in gains):
-            raise ValueError(f"must be non-negative finite numbers (got {gains!r})")
-        if sum(gains) <= 0:
-            raise ValueError(f"must have a positive sum (got {gains!r})")
+    def _check_gains_shape(cls, gains: Any) -> Any:
+        if isinstance(gains, list) and gains and len({isinstance(g, list) for g in gains}) > 1:
+            raise ValueError(f"must be a list of numbers or a list of per-layer lists of numbers (got {gains!r})")
         return gains
 
     @field_validator("stagger", mode="before")
@@ -299,12 +234,29 @@ class ChunkedKVConfig(_ChunkedKVFields):
         region: 1 (none, stride2), 3 (boundary), chunk_size / hop (overlap)."""
         return self.chunk_size / self.tokens_per_state
 
+    @property
+    def per_layer_gains(self) -> bool:
+        """Whether slot_gains holds one list per layer."""
+        return bool(self.slot_gains) and isinstance(self.slot_gains[0], list)
+
+    def for_layer(self, layer_idx: int) -> ChunkedKVConfig:
+        """The settings layer `layer_idx` pools with: with per-layer slot_gains,
+        these settings with that layer's gains; otherwise these settings."""
+        if not self.per_layer_gains:
+            return self
+        if not 0 <= layer_idx < len(self.slot_gains):
+            raise ChunkedKVConfigError("slot_gains", f"has no gains for layer {layer_idx} ({len(self.slot_gains)} lists)")
+        return self.model_copy(update={"slot_gains": list(self.slot_gains[layer_idx])})
+
     def normalised_gains(self) -> list[float]:
         """Fixed pooling weight of each of the chunk_size slots, summing to 1
         over the pooled slots (0 on kept boundary slots). Not defined for
-        key_norm, whose weights depend on the keys."""
+        key_norm, whose weights depend on the keys, nor for per-layer gains
+        (take `for_layer` first)."""
         if self.pooling == "key_norm":
             raise ValueError("key_norm pooling has no fixed slot weights")
+        if self.per_layer_gains:
+            raise ValueError("per-layer slot_gains: take the layer's settings (for_layer) first")
         slots = self.pooled_slots
         raw = self.slot_gains if self.pooling == "gated" else [1.0] * self.chunk_size
         total = sum(raw[i] for i in slots)
@@ -325,7 +277,11 @@ class ChunkedKVConfig(_ChunkedKVFields):
         return prompt_len % self.hop if self.align == "prompt_end" else 0
 
     def check_model(self, num_layers: int, num_kv_heads_total: int, *, exact_layers: bool = True) -> None:
-        """Raise ChunkedKVConfigError if an explicit stagger list does not fit the model."""
+        """Raise ChunkedKVConfigError if an explicit stagger list or per-layer
+        slot_gains do not fit the model."""
+        count = len(self.slot_gains) if self.per_layer_gains else num_layers
+        if count < num_layers or (exact_layers and count != num_layers):
+            raise ChunkedKVConfigError("slot_gains", f"needs one list per layer: the model has {num_layers} (got {count})")
         if not isinstance(self.stagger, list):
             return
         if len(self.stagger) < num_layers or (exact_layers and len(self.stagger) != num_layers):
@@ -377,10 +333,13 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
     if cfg.pooling == "gated":
         if cfg.slot_gains is None:
             raise fail("slot_gains", f"required for pooling 'gated': a list of {chunk_size} gains")
-        if len(cfg.slot_gains) != chunk_size:
-            raise fail("slot_gains", f"needs exactly chunk_size = {chunk_size} gains (got {len(cfg.slot_gains)})")
-        if sum(cfg.slot_gains[i] for i in cfg.pooled_slots) <= 0:
-            raise fail("slot_gains", f"the pooled (interior) slots need a positive sum (got {cfg.slot_gains})")
+        for name, gains in gain_rows(cfg.slot_gains).items():
+            if not all(math.isfinite(g) and g >= 0 for g in gains) or sum(gains) <= 0:
+                raise fail(name, f"must be non-negative finite numbers with a positive sum (got {gains!r})")
+            if len(gains) != chunk_size:
+                raise fail(name, f"needs exactly chunk_size = {chunk_size} gains (got {len(gains)})")
+            if sum(gains[i] for i in cfg.pooled_slots) <= 0:
+                raise fail(name, f"the pooled (interior) slots need a positive sum (got {gains})")
     elif cfg.slot_gains is not None:
         raise fail("slot_gains", f"only allowed with pooling 'gated' (pooling is {cfg.pooling!r})")
     problem = boundaries.settings_problem(cfg)
@@ -397,3 +356,11 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
             if bad:
                 raise fail(f"stagger[{layer}]", f"origins must be in [0, hop) = [0, {hop}) (got {bad[0]})")
 
+
+
+def gain_rows(gains: list | None) -> dict[str, list[float]]:
+    """Each list of slot gains by the name of its field: one (`slot_gains`), or
+    one per layer (`slot_gains[i]`)."""
+    if not gains or not isinstance(gains[0], list):
+        return {} if gains is None else {"slot_gains": gains}
+    return {f"slot_gains[{layer}]": row for layer, row in enumerate(gains)}

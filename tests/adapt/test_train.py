@@ -14,6 +14,10 @@
   grid; settings they cannot replace the mean of are refused by name, as is
   a checkpoint written with the other choice. A run started from a saved
   adapter with gains (`init_adapter`) starts from its gains.
+- Gains per layer (`gains_per_layer`): each layer learns its own, served as
+  per-layer slot_gains (each layer's settings pool with its row); a run of
+  them can start from a model-wide set (every layer starts there), not the
+  other way round, and a checkpoint of one kind does not resume the other.
 - Precision: bf16 autocast only where asked or (auto) where the training
   device has native bf16; fp32 otherwise; anything else is refused by name.
 - Device: auto trains on the first CUDA GPU when torch sees one, else on the
@@ -92,9 +96,9 @@ def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch)
             assert torch.equal(p, base[name]), name
 
 
-@pytest.mark.parametrize("learn_gains", [False, True])
-def test_resume_equals_uninterrupted(byte_tokenizer, tmp_path, learn_gains):
-    opts = train.AdaptOptions(steps=5, lr=5e-3, warmup=2, learn_gains=learn_gains, **OPTS)
+@pytest.mark.parametrize("learn_gains,per_layer", [(False, False), (True, False), (True, True)])
+def test_resume_equals_uninterrupted(byte_tokenizer, tmp_path, learn_gains, per_layer):
+    opts = train.AdaptOptions(steps=5, lr=5e-3, warmup=2, learn_gains=learn_gains, gains_per_layer=per_layer, **OPTS)
     whole = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "a", log=lambda m: None)
     train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path / "b", log=lambda m: None, stop_after=3)
     messages = []
@@ -130,3 +134,34 @@ def test_learned_gains_train_and_are_served_gated(byte_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="with learned gains"):  # a checkpoint with gains, resumed without
         train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(steps=7, **OPTS), tmp_path,
                     log=lambda m: None)
+
+
+def test_gains_per_layer_train_apart_and_are_served_per_layer(byte_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="gains_per_layer"):
+        train.check_options(CFG, train.AdaptOptions(gains_per_layer=True, **OPTS))
+    opts = train.AdaptOptions(steps=6, lr=1e-2, warmup=1, learn_gains=True, gains_per_layer=True, **OPTS)
+    model = tiny_byte_llama()
+    layers = model.config.num_hidden_layers
+    adapted = train.train(model, byte_tokenizer, CFG, opts, tmp_path / "per", log=lambda m: None)
+    assert len(adapted.gains) == layers >= 2 and all(len(row) == CFG.chunk_size for row in adapted.gains)
+    assert all(sum(row) == pytest.approx(1.0, abs=1e-5) for row in adapted.gains)
+    assert max(abs(a - b) for a, b in zip(adapted.gains[0], adapted.gains[1])) > 1e-4, adapted.gains  # trained apart
+    served = train.serve_config(CFG, adapted.gains)
+    assert served.per_layer_gains
+    for layer, row in enumerate(adapted.gains):
+        assert served.for_layer(layer).normalised_gains() == pytest.approx(row, abs=1e-5)
+
+    shared = tmp_path / "shared"
+    lora.save_adapter(adapted.adapters, shared, {"slot_gains": [0.1, 0.2, 0.3, 0.4]})
+    first = train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(
+        steps=1, lr=1e-9, warmup=1, learn_gains=True, gains_per_layer=True, init_adapter=str(shared), **OPTS),
+        tmp_path / "from_shared", log=lambda m: None)
+    assert all(row == pytest.approx([0.1, 0.2, 0.3, 0.4], abs=1e-5) for row in first.gains)  # every layer starts there
+    per_layer = tmp_path / "per_layer"
+    lora.save_adapter(adapted.adapters, per_layer, {"slot_gains": adapted.gains})
+    with pytest.raises(ValueError, match="gains-per-layer"):
+        train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(
+            steps=1, learn_gains=True, init_adapter=str(per_layer), **OPTS), tmp_path / "to_shared", log=lambda m: None)
+    with pytest.raises(ValueError, match=rf"learned gains of shape \[{layers}, 4\]"):
+        train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(steps=7, learn_gains=True, **OPTS),
+                    tmp_path / "per", log=lambda m: None)  # a per-layer checkpoint, resumed with one set

@@ -19,6 +19,9 @@ BAD = {
     "hop > chunk_size": ({"chunk_size": 4, "hop": 8}, "chunked_kv.hop"),
     "slot_gains length": ({"pooling": "gated", "slot_gains": [1.0, 2.0]}, "chunked_kv.slot_gains"),
     "unknown preset": ({"mitigation": "halve"}, "chunked_kv.mitigation"),
+    "per-layer gains for 1 of 2 layers": ({"pooling": "gated", "slot_gains": [[1.0, 1.0, 1.0, 1.0]]},
+                                          "chunked_kv.slot_gains: needs one list per layer"),
+    "stagger for 3 of 2 layers": ({"stagger": [[0], [1], [2]]}, "chunked_kv.stagger: needs one list per layer"),
 }
 
 

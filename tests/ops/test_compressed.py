@@ -12,6 +12,11 @@ computes must land in its page (a later request may hit it).
 vLLM's padding slots (-1 in dummy batches) never reach a live page: every
 implementation stores raw rows through `compressed.write_raw`, which sends
 them to the null page and writes real rows where their slots say.
+
+The layers of a step share its plan and writes, so what the kernels derive
+from the writes is made once; the pooling gains are derived per gains
+(`step_gains`): two layers with their own slot gains (per-layer gains) get
+their own, while layers with the same gains share one tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ from vllm_chunked_kv.ops import compressed, dispatch
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE
 
 from .schedule import CONFIGS, run_schedule
+
+
+def test_step_gains_are_made_once_per_gains():
+    none = torch.zeros(0, dtype=torch.long)
+    writes = compressed.ChunkWrites(*[none] * 9)  # no chunks: only the memo matters
+    cfg = ChunkedKVConfig(pooling="gated", slot_gains=[[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    first, second = (compressed.step_gains(writes, cfg.for_layer(layer), "cpu") for layer in (0, 1))
+    assert first.tolist() == [1.0, 0.0, 0.0, 0.0] and second.tolist() == [0.0, 0.5, 0.5, 0.0]
+    assert compressed.step_gains(writes, cfg.for_layer(1), "cpu") is second
+    key_norm = compressed.step_gains(writes, ChunkedKVConfig(pooling="key_norm"), "cpu")
+    assert key_norm.tolist() == [0.0] * 4
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,8 @@ Each step (docs/adapt.md has the reasons and what was tried):
   decay to a tenth, gradients clipped at 1;
 - with `learn_gains`, the chunked rows pool each sealed chunk with learned
   per-slot gains (one softmax over `chunk_size` logits, shared by every layer
-  and head; `demo.attention`'s gains), trained with the adapters at
+  and head, or with `gains_per_layer` one per layer; `demo.attention`'s
+  gains), trained with the adapters at
   `GAINS_LR_SCALE` times their learning rate; the model is then served with
   `pooling="gated"` and those gains (`serve_config`); an `init_adapter`
   adapted with gains continues from them.
@@ -73,6 +74,7 @@ class AdaptOptions:
     precision: str = "auto"  # bf16 autocast or fp32; auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA)
     device: str = "auto"  # cpu, cuda or cuda:N; auto: the first CUDA GPU if there is one, else the CPU
     learn_gains: bool = False  # learn per-slot pooling gains with the adapters (served as pooling "gated")
+    gains_per_layer: bool = False  # with learn_gains: one set of gains per layer instead of one for the model
 
 
 class Adapted(NamedTuple):
@@ -80,19 +82,21 @@ class Adapted(NamedTuple):
 
     adapters: dict  # name -> lora.LoRALinear, merged into the model
     records: list[dict]  # one per step of this call (train_log.jsonl)
-    gains: list[float] | None  # the learned slot gains (normalised), None without learn_gains
+    gains: list | None  # the learned slot gains (normalised; one list per layer with gains_per_layer), None without learn_gains
 
 
 def check_options(cfg: ChunkedKVConfig, opts: AdaptOptions) -> None:
     """Refuse, by name, options the settings cannot train with."""
     device(opts)
     precision(opts)
+    if opts.gains_per_layer and not opts.learn_gains:
+        raise ValueError("gains_per_layer: needs learn_gains")
     if opts.learn_gains and not gains_apply(cfg):
         raise ValueError("learn_gains: needs pooling 'mean', hop == chunk_size and no keep_boundary in the settings "
                          "(the gains replace the mean)")
 
 
-def serve_config(cfg: ChunkedKVConfig, gains: list[float] | None) -> ChunkedKVConfig:
+def serve_config(cfg: ChunkedKVConfig, gains: list | None) -> ChunkedKVConfig:
     """The settings to serve the adapted model with: `cfg`, or with learned gains
     the same grid pooled `gated` with them."""
     if gains is None:
@@ -193,9 +197,11 @@ def _save_checkpoint(path: Path, adapters, gains, optimizer, step: int) -> None:
 
 def _load_checkpoint(path: Path, adapters, gains, optimizer) -> int:
     state = torch.load(path, weights_only=True, map_location="cpu")
-    if (gains is None) != ("gain_logits" not in state):
-        raise ValueError(f"{path}: a checkpoint {'with' if 'gain_logits' in state else 'without'} learned gains; "
-                         "resume it with the same --learn-gains as the run that wrote it")
+    saved = state.get("gain_logits")
+    if (gains is None) != (saved is None) or (saved is not None and saved.shape != gains.shape):
+        kind = "without learned gains" if saved is None else f"with learned gains of shape {list(saved.shape)}"
+        raise ValueError(f"{path}: a checkpoint {kind}; resume it with the --learn-gains and "
+                         "--gains-per-layer of the run that wrote it")
     for name, a in adapters.items():
         a.lora_a.data.copy_(state["adapters"][f"{name}.lora_a"])
         a.lora_b.data.copy_(state["adapters"][f"{name}.lora_b"])
@@ -224,7 +230,8 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     gains = None
     if opts.learn_gains:
-        gains = torch.zeros(cfg.chunk_size, device=dev, requires_grad=True)  # [chunk_size] logits; zeros: mean pooling
+        shape = (model.config.num_hidden_layers, cfg.chunk_size) if opts.gains_per_layer else (cfg.chunk_size,)
+        gains = torch.zeros(shape, device=dev, requires_grad=True)  # [(layers,) chunk_size] logits; zeros: mean pooling
         optimizer.add_param_group({"params": [gains], "lr_scale": GAINS_LR_SCALE})
         params = params + [gains]
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -236,8 +243,12 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
         saved_gains = lora.load_into(adapters, Path(opts.init_adapter))
         log(f"starting from the adapter in {opts.init_adapter}")
         if saved_gains is not None and gains is not None:
-            with torch.no_grad():  # logits whose softmax is the saved gains
-                gains.copy_(torch.tensor(saved_gains, dtype=torch.float32).clamp(min=1e-12).log())
+            logits = torch.tensor(saved_gains, dtype=torch.float32).clamp(min=1e-12).log()  # softmax: the saved gains
+            if logits.dim() > gains.dim() or logits.shape[-1] != gains.shape[-1]:
+                raise ValueError(f"{opts.init_adapter}: its slot gains have shape {list(logits.shape)}; this run "
+                                 f"learns {list(gains.shape)} (one set per layer needs --gains-per-layer)")
+            with torch.no_grad():  # gains of the whole model start every layer's gains
+                gains.copy_(logits.expand_as(gains))
             log(f"and from its slot gains {saved_gains}")
         elif saved_gains is not None:
             log(f"note: {opts.init_adapter} was adapted with slot gains {saved_gains}; "

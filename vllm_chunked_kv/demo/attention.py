@@ -9,8 +9,9 @@ runs over the extended key set. Gradients flow through the pooling, so the
 same function trains the model under compression.
 
 Learned per-slot gains (the trainable stand-in for DeepSeek-V4's gate,
-served as `pooling="gated"`): with `gains` (a tensor of `chunk_size` logits;
-the weights are their softmax), the reference pools each chunk with those
+served as `pooling="gated"`): with `gains` (a tensor of `chunk_size` logits,
+or `[num_layers, chunk_size]` for gains per layer; the weights are their
+softmax), the reference pools each chunk with those
 weights in place of the mean (`extended_kv`'s `weights`), so a pooled row is
 the gain-weighted sum of its chunk and gradients reach the logits; raw rows
 are untouched. This equals the reference's gated pooling with those weights
@@ -53,7 +54,7 @@ def chunked_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-function signature: query [b, H, T, D], key/value [b, Hkv, T, D]."""
-    cfg: ChunkedKVConfig = getattr(module, _CONFIG_ATTR)
+    cfg: ChunkedKVConfig = getattr(module, _CONFIG_ATTR).for_layer(module.layer_idx)  # its own gains, if per layer
     batch, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -67,6 +68,8 @@ def chunked_attention_forward(
     gains = getattr(module, _GAINS_ATTR, (None,))[0]
     if gains is not None and not gains_apply(cfg):
         raise ValueError("learned gains need mean pooling, hop == chunk_size and no boundary retention")
+    if gains is not None and gains.dim() == 2:  # [num_layers, chunk_size]: one set of logits per layer
+        gains = gains[module.layer_idx]
     weights = None if gains is None else gains.softmax(-1)  # [chunk_size]
     ext = extended_kv(folded_k, folded_v, cfg, origins, weights=weights)
     ext_len = ext.keys.shape[0]  # T + N
@@ -90,9 +93,13 @@ def gains_apply(cfg: ChunkedKVConfig) -> bool:
     return cfg.pooling == "mean" and cfg.hop == cfg.chunk_size and not cfg.keep_boundary
 
 
-def gain_weights(gains: torch.Tensor) -> list[float]:
-    """The slot weights of gain logits (their softmax), rounded for JSON: `slot_gains` of pooling "gated"."""
-    return [round(g, 6) for g in gains.detach().softmax(-1).tolist()]
+def gain_weights(gains: torch.Tensor) -> list[float] | list[list[float]]:
+    """The slot weights of gain logits ``[chunk_size]`` or ``[num_layers, chunk_size]``
+    (their softmax), rounded for JSON: `slot_gains` of pooling "gated"."""
+    weights = gains.detach().softmax(-1)
+    if weights.dim() == 2:
+        return [[round(g, 6) for g in row] for row in weights.tolist()]
+    return [round(g, 6) for g in weights.tolist()]
 
 
 def _register() -> None:

@@ -23,6 +23,9 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
                 None, f"the model uses its own sliding window ({window} tokens); "
                 "chunked compression supports full-attention decoder models only"
             )
+        num_layers = getattr(text, "num_hidden_layers", None)
+        if isinstance(num_layers, int):  # per-layer lists (stagger, slot_gains) must fit the model
+            cfg.check_model(num_layers, model_config.get_total_num_kv_heads())
     cache_config = getattr(vllm_config, "cache_config", None)
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
     if cache_dtype.startswith("fp8"):

@@ -27,7 +27,7 @@ from vllm_chunked_kv import grid
 from vllm_chunked_kv.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
 from vllm_chunked_kv.ops.rows import gather_rows
-from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan, derived
 
 
 def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -60,6 +60,14 @@ def fixed_gains(cfg: ChunkedKVConfig, device) -> torch.Tensor:
     if cfg.pooling == "key_norm":
         return torch.zeros(cfg.chunk_size, dtype=torch.float32, device=device)
     return torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=device)
+
+
+def step_gains(writes: ChunkWrites, cfg: ChunkedKVConfig, device) -> torch.Tensor:
+    """`fixed_gains` of a layer's settings, made once per step's writes and
+    gains: layers share their step's writes but may pool with their own
+    gains (per-layer slot_gains, `ChunkedKVConfig.for_layer`)."""
+    key = ("gains", None if cfg.pooling == "key_norm" else tuple(cfg.normalised_gains()))
+    return derived(writes, key, lambda: fixed_gains(cfg, device))
 
 
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,

@@ -146,11 +146,12 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
     def tables():
         c = torch.Tensor.contiguous
-        return (compressed.fixed_gains(cfg, comp_cache.device), c(writes.heads), c(writes.src_blocks),
-                c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets))
+        return (c(writes.heads), c(writes.src_blocks), c(writes.src_offsets), c(writes.src_step),
+                c(writes.dst_blocks), c(writes.dst_offsets))
 
     args = derived(writes, "cpp", tables)
-    _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype), *args,
+    gains = compressed.step_gains(writes, cfg, comp_cache.device)
+    _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype), gains, *args,
                            head_size, slots.start, slots.stop, cfg.pooling == "key_norm")
 
 

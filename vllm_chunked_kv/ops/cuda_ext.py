@@ -166,7 +166,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     module = _module()
     slots = cfg.pooled_slots
     key_norm = cfg.pooling == "key_norm"
-    gains = compressed.fixed_gains(cfg, comp_cache.device)
+    gains = compressed.step_gains(writes, cfg, comp_cache.device)
     c = torch.Tensor.contiguous
     module.write_chunks(comp_cache, raw_cache, _rows(step_rows), gains, c(writes.heads), c(writes.src_blocks),
                         c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),

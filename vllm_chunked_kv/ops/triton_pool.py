@@ -173,7 +173,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     head_dv = comp_cache.shape[-1] - head_size
     contiguous = lambda t: t.contiguous()  # noqa: E731  [M, chunk_size] / [M, spg] index tables
     _chunked_kv_write_chunks_kernel[(triton.cdiv(num, block_chunks),)](
-        step_rows, raw_cache, comp_cache, compressed.fixed_gains(cfg, comp_cache.device), contiguous(writes.heads),
+        step_rows, raw_cache, comp_cache, compressed.step_gains(writes, cfg, comp_cache.device), contiguous(writes.heads),
         contiguous(writes.src_blocks), contiguous(writes.src_offsets), contiguous(writes.src_step),
         contiguous(writes.dst_blocks), contiguous(writes.dst_offsets),
         num,
