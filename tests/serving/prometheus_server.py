@@ -1,5 +1,10 @@
 """A real Prometheus server for tests: docker/prometheus/prometheus.yml and
-rules.yml with the target replaced and the intervals cut to one second."""
+rules.yml with the target replaced and the intervals cut to two seconds.
+
+A scrape may take no longer than the interval; on a loaded 2-core machine a
+vLLM server with two API processes has answered /metrics in over a second,
+so one-second scrapes all timed out. A wait that times out says how the
+target's last scrape went."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import yaml
 from vllm_chunked_kv.local_server import free_port, start_group, stop_group, wait_ready
 
 DOCKER_PROMETHEUS = Path(__file__).resolve().parents[2] / "docker" / "prometheus"
-INTERVAL = "1s"
+INTERVAL = "2s"  # scrape and rule evaluation; also the scrape timeout
 
 
 class PrometheusServer:
@@ -26,7 +31,7 @@ class PrometheusServer:
 
     def write_config(self) -> Path:
         config = yaml.safe_load((DOCKER_PROMETHEUS / "prometheus.yml").read_text())
-        config["global"] = {"scrape_interval": INTERVAL, "evaluation_interval": INTERVAL}
+        config["global"] = {"scrape_interval": INTERVAL, "scrape_timeout": INTERVAL, "evaluation_interval": INTERVAL}
         (job,) = config["scrape_configs"]
         job["static_configs"] = [{"targets": [self.target]}]
         for name in config.get("rule_files", []):
@@ -78,4 +83,13 @@ class PrometheusServer:
             except AssertionError as exc:
                 last_error = exc
             time.sleep(0.5)
-        raise TimeoutError(f"prometheus: {what} not reached in {timeout:.0f}s ({last_error})")
+        raise TimeoutError(f"prometheus: {what} not reached in {timeout:.0f}s ({last_error}); {self.targets()}")
+
+    def targets(self) -> str:
+        """How each scrape target's last scrape went (health, error, duration)."""
+        try:
+            active = self.api("targets")["data"]["activeTargets"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            return f"targets unknown ({exc!r})"
+        return "; ".join(f"{t.get('scrapeUrl')}: {t.get('health')} {t.get('lastError')!r} "
+                         f"in {t.get('lastScrapeDuration')} s" for t in active) or "no active targets"
