@@ -1,10 +1,9 @@
 """A real Prometheus server for tests: docker/prometheus/prometheus.yml and
 rules.yml with the target replaced and the intervals cut to two seconds.
 
-A scrape may take no longer than the interval; on a loaded 2-core machine a
-vLLM server with two API processes has answered /metrics in over a second,
-so one-second scrapes all timed out. A wait that times out says how the
-target's last scrape went."""
+A scrape may take no longer than the interval; two seconds leave a loaded
+2-core machine room to answer /metrics of a vLLM server with two API
+processes. A wait that times out says how the target's last scrape went."""
 
 from __future__ import annotations
 
