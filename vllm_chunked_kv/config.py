@@ -237,7 +237,7 @@ class ChunkedKVConfig(_ChunkedKVFields):
     @property
     def per_layer_gains(self) -> bool:
         """Whether slot_gains holds one list per layer."""
-        return bool(self.slot_gains) and isinstance(self.slot_gains[0], list)
+        return _per_layer(self.slot_gains)
 
     def for_layer(self, layer_idx: int) -> ChunkedKVConfig:
         """The settings layer `layer_idx` pools with: with per-layer slot_gains,
@@ -279,15 +279,13 @@ class ChunkedKVConfig(_ChunkedKVFields):
     def check_model(self, num_layers: int, num_kv_heads_total: int, *, exact_layers: bool = True) -> None:
         """Raise ChunkedKVConfigError if an explicit stagger list or per-layer
         slot_gains do not fit the model."""
-        count = len(self.slot_gains) if self.per_layer_gains else num_layers
-        if count < num_layers or (exact_layers and count != num_layers):
-            raise ChunkedKVConfigError("slot_gains", f"needs one list per layer: the model has {num_layers} (got {count})")
+        per_layer = {"slot_gains": self.slot_gains if self.per_layer_gains else None,
+                     "stagger": self.stagger if isinstance(self.stagger, list) else None}
+        for name, lists in per_layer.items():
+            if lists is not None and (len(lists) < num_layers or (exact_layers and len(lists) != num_layers)):
+                raise ChunkedKVConfigError(name, f"needs one list per layer: the model has {num_layers} (got {len(lists)})")
         if not isinstance(self.stagger, list):
             return
-        if len(self.stagger) < num_layers or (exact_layers and len(self.stagger) != num_layers):
-            raise ChunkedKVConfigError(
-                "stagger", f"needs one list per layer: the model has {num_layers} (got {len(self.stagger)})"
-            )
         for layer, heads in enumerate(self.stagger[:num_layers]):
             if len(heads) != num_kv_heads_total:
                 raise ChunkedKVConfigError(
@@ -361,6 +359,11 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
 def gain_rows(gains: list | None) -> dict[str, list[float]]:
     """Each list of slot gains by the name of its field: one (`slot_gains`), or
     one per layer (`slot_gains[i]`)."""
-    if not gains or not isinstance(gains[0], list):
+    if not _per_layer(gains):
         return {} if gains is None else {"slot_gains": gains}
     return {f"slot_gains[{layer}]": row for layer, row in enumerate(gains)}
+
+
+def _per_layer(gains: list | None) -> bool:
+    """Whether a slot_gains value holds one list per layer."""
+    return bool(gains) and isinstance(gains[0], list)

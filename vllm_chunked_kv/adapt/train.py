@@ -244,7 +244,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
         log(f"starting from the adapter in {opts.init_adapter}")
         if saved_gains is not None and gains is not None:
             logits = torch.tensor(saved_gains, dtype=torch.float32).clamp(min=1e-12).log()  # softmax: the saved gains
-            if logits.dim() > gains.dim() or logits.shape[-1] != gains.shape[-1]:
+            if logits.shape not in (gains.shape, gains.shape[-1:]):
                 raise ValueError(f"{opts.init_adapter}: its slot gains have shape {list(logits.shape)}; this run "
                                  f"learns {list(gains.shape)} (one set per layer needs --gains-per-layer)")
             with torch.no_grad():  # gains of the whole model start every layer's gains

@@ -66,7 +66,9 @@ def step_gains(writes: ChunkWrites, cfg: ChunkedKVConfig, device) -> torch.Tenso
     """`fixed_gains` of a layer's settings, made once per step's writes and
     gains: layers share their step's writes but may pool with their own
     gains (per-layer slot_gains, `ChunkedKVConfig.for_layer`)."""
-    key = ("gains", None if cfg.pooling == "key_norm" else tuple(cfg.normalised_gains()))
+    # The layers of one step differ at most in their slot_gains: those name the
+    # gains (a tuple here, not `normalised_gains`, which every layer would recompute).
+    key = ("gains", cfg.pooling, None if cfg.slot_gains is None else tuple(cfg.slot_gains))
     return derived(writes, key, lambda: fixed_gains(cfg, device))
 
 
