@@ -128,7 +128,39 @@ def by_position(logprobs: list[list[float]], edges: tuple[int, ...] = POSITION_B
     return out
 
 
-def summarise(documents: list[list[int]], logprobs: list[list[float]], beyond: int) -> dict:
+REPEAT_NGRAM = 4  # a token "repeats" when it ends an n-gram of this many tokens seen earlier in its document
+
+
+def repeat_kind(doc: list[int], window: int, n: int = REPEAT_NGRAM) -> list[str]:
+    """For each scored token `doc[t + 1]` (predicted at query position t): "far" if the
+    n-gram it ends, `doc[t + 2 - n : t + 2]`, occurred earlier in the document and its
+    latest earlier occurrence starts more than `window` positions before the query
+    (only pooled rows can show it), "near" if it occurred within them (the raw window
+    reads it exactly), else "new". Copying text seen before is where full attention
+    gains most from context and where pooling hides exact tokens."""
+    last_start: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest occurrence so far
+    kinds = []
+    for t in range(len(doc) - 1):
+        end = t + 2  # the n-gram doc[end - n : end] ends at the scored token
+        gram = tuple(doc[end - n:end]) if end >= n else None
+        seen = last_start.get(gram) if gram is not None else None
+        kinds.append("new" if seen is None else "far" if t - seen > window else "near")
+        if gram is not None:
+            last_start[gram] = end - n
+    return kinds
+
+
+def by_repeat(documents: list[list[int]], logprobs: list[list[float]], window: int) -> dict[str, dict]:
+    """Perplexity and token count of each `repeat_kind`, over all documents."""
+    nll: dict[str, list[float]] = {"new": [], "near": [], "far": []}
+    for doc, lps in zip(documents, logprobs):
+        for kind, lp in zip(repeat_kind(doc, window), lps):
+            nll[kind].append(-lp)
+    return {k: {"ppl": math.exp(sum(v) / len(v)), "tokens": len(v), "nll_sum": sum(v)} for k, v in nll.items() if v}
+
+
+def summarise(documents: list[list[int]], logprobs: list[list[float]], beyond: int,
+              window: int = DEFAULT_SETTINGS["window"]) -> dict:
     """NLL and perplexity overall, beyond the window and by query position, from the
     next-token log-probs (`logprobs[d][t]` scores `documents[d][t + 1]`, predicted at
     query position t)."""
@@ -139,16 +171,19 @@ def summarise(documents: list[list[int]], logprobs: list[list[float]], beyond: i
     return {"nll": mean, "ppl": math.exp(mean), "tokens": len(nll),
             "nll_beyond": far_mean, "ppl_beyond": math.exp(far_mean), "tokens_beyond": len(far),
             "beyond_position": beyond, "ppl_by_position": by_position(logprobs),
-            "per_doc_nll": [-sum(doc) / len(doc) for doc in logprobs]}
+            "per_doc_nll": [-sum(doc) / len(doc) for doc in logprobs],
+            "ppl_by_repeat": by_repeat(documents, logprobs, window)}
 
 
 def perplexity(model_dir: str | Path, chunked_kv: dict | None, *, documents: list[list[int]] | None = None,
                num_docs: int = 4, tokens_per_doc: int = 2048, dtype: str = "bfloat16", beyond: int | None = None,
-               engine: dict | None = None, threads: int | None = None, timeout: float = 3600) -> dict:
+               engine: dict | None = None, threads: int | None = None, timeout: float = 3600,
+               window: int | None = None) -> dict:
     """Perplexity of `model_dir` served by vLLM's default backend (`chunked_kv` None)
     or by CHUNKED_KV with the settings `chunked_kv`, on `documents` (token-id
     prompts; default: `held_out_documents`). `beyond` defaults to
-    `beyond_position(chunked_kv)`. Runs one engine in a fresh interpreter."""
+    `beyond_position(chunked_kv)` and `window` (of the repeat split, `by_repeat`) to
+    the settings' window. Runs one engine in a fresh interpreter."""
     documents = documents if documents is not None else held_out_documents(model_dir, num_docs, tokens_per_doc)
     kwargs = {**ENGINE_DEFAULTS, "dtype": dtype, "max_model_len": max(map(len, documents)) + 8, **(engine or {})}
     if chunked_kv is not None:
@@ -164,7 +199,8 @@ def perplexity(model_dir: str | Path, chunked_kv: dict | None, *, documents: lis
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"perplexity worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     logprobs = json.loads(lines[-1])["logprobs"]
-    result = summarise(documents, logprobs, beyond if beyond is not None else beyond_position(chunked_kv))
+    window = window if window is not None else (chunked_kv or DEFAULT_SETTINGS).get("window", DEFAULT_SETTINGS["window"])
+    result = summarise(documents, logprobs, beyond if beyond is not None else beyond_position(chunked_kv), window)
     return {**result, "settings": chunked_kv, "seconds": time.perf_counter() - start}
 
 
@@ -220,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for mode in modes:
         row = {"mode": mode, **perplexity(args.model, settings[mode], documents=documents, dtype=args.dtype,
-                                          beyond=beyond, threads=args.threads or None)}
+                                          beyond=beyond, threads=args.threads or None, window=args.window)}
         rows.append(row)
         print(f"{mode}: ppl {row['ppl']:.3f}, beyond window {row['ppl_beyond']:.3f} ({row['seconds']:.0f} s)",
               file=sys.stderr, flush=True)

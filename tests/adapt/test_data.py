@@ -7,6 +7,10 @@
   `min_distance` tokens before the first question.
 - Hard rows (`distractors`): one phrasing for all facts, and an unasked fact
   after the asked ones beyond `min_distance`.
+- Repeat rows: the first `min_distance` tokens are the filler's; after them
+  copied spans of `COPY_TOKENS` lengths alternate with fresh text, every
+  copied token at least `min_distance` positions after its source, and the
+  copies are a third to a half of those tokens; no labels.
 - A row is a function of the rng seed: the same seed gives the same row.
 """
 
@@ -81,3 +85,30 @@ def test_hard_rows_share_one_phrasing_and_put_an_unasked_fact_after_the_asked_on
     mixed = [_facts(byte_tokenizer.decode(data.retrieval_row(byte_tokenizer, random.Random(seed), 1024).ids))
              for seed in range(20)]
     assert any(len({k for _, k, _ in facts}) > 1 for facts in mixed)
+
+
+def test_repeat_rows_copy_spans_from_beyond_min_distance(monkeypatch, byte_tokenizer):
+    """With a filler whose token at p is p, a token is a copy iff it differs from its
+    position, and its value is the position of its original."""
+    monkeypatch.setattr(data, "_filler", lambda tokenizer, rng, count: list(range(count)))
+    length, distance = 1200, 160
+    for seed in range(10):
+        row = data.repeat_row(byte_tokenizer, random.Random(seed), length, min_distance=distance)
+        assert len(row.ids) == len(row.labels) == length and set(row.labels) == {data.IGNORE}
+        assert row.ids[:distance] == list(range(distance))
+        copied = [p for p, t in enumerate(row.ids) if t != p]
+        assert all(p - row.ids[p] >= distance for p in copied)
+        assert 0.33 < len(copied) / (length - distance) < 0.5
+        spans, start = [], copied[0]  # maximal runs of consecutive copied positions continuing one source
+        for prev, p in zip(copied, copied[1:] + [None]):
+            if p is None or p != prev + 1 or row.ids[p] != row.ids[prev] + 1:
+                spans.append(prev + 1 - start)
+                start = p
+        assert min(spans) >= 1 and max(spans) <= data.COPY_TOKENS[1]
+        assert sum(s >= data.COPY_TOKENS[0] for s in spans) > len(spans) / 2
+
+
+def test_repeat_rows_are_deterministic_real_filler(byte_tokenizer):
+    a = data.repeat_row(byte_tokenizer, random.Random(3), 700)
+    assert a == data.repeat_row(byte_tokenizer, random.Random(3), 700)
+    assert a != data.repeat_row(byte_tokenizer, random.Random(4), 700) and len(a.ids) == 700

@@ -1,6 +1,10 @@
 """Contract of the adaptation loop (`adapt.train`) on a tiny byte-level Llama.
 
 - The learning rate warms up linearly and decays by cosine to a tenth.
+- A step's batch is `text_rows` text rows, then `repeat_rows` repeat rows,
+  then retrieval rows, the last `full_rows` at full attention (text in odd
+  steps, retrieval in even ones); counts that do not fit in `rows` are
+  refused by name.
 - Training lowers the loss: on a batch repeated every step, the loss of the
   last steps is well below that of the first (the update direction is right;
   the real run's curve is in the adapted model's ADAPT.md).
@@ -45,6 +49,20 @@ def test_lr_schedule():
     assert train.lr_at(9, opts) == pytest.approx(1.0)
     assert train.lr_at(99, opts) == pytest.approx(0.1, abs=1e-3)
     assert all(train.lr_at(s, opts) >= train.lr_at(s + 1, opts) for s in range(10, 99))
+
+
+def test_step_rows_are_text_then_repeat_then_retrieval_then_full(monkeypatch):
+    for kind in ("text", "repeat", "retrieval"):
+        monkeypatch.setattr(train.data, f"{kind}_row", lambda *a, kind=kind, **k: kind)
+    opts = train.AdaptOptions(rows=6, full_rows=2, text_rows=1, repeat_rows=2)
+    assert train.step_rows(None, 0, opts) == ["text", "repeat", "repeat", "retrieval", "retrieval", "retrieval"]
+    assert train.step_rows(None, 1, opts) == ["text", "repeat", "repeat", "retrieval", "text", "text"]
+    assert train.step_rows(None, 0, train.AdaptOptions(rows=3, full_rows=1, text_rows=0, repeat_rows=2)) == \
+        ["repeat", "repeat", "retrieval"]
+    train.check_options(CFG, train.AdaptOptions(rows=4, full_rows=1, text_rows=1, repeat_rows=2))
+    for bad in (dict(text_rows=2, repeat_rows=2), dict(repeat_rows=-1)):
+        with pytest.raises(ValueError, match="^rows: "):
+            train.check_options(CFG, train.AdaptOptions(rows=4, full_rows=1, **bad))
 
 
 def test_precision_picks_bf16_only_where_it_is_native(monkeypatch):

@@ -13,6 +13,9 @@
   directory's chunked_kv_serve.json and `format_table` names every mode.
 - `by_position` splits the perplexity by query position: every token in
   exactly one bucket, the buckets' perplexities those of their tokens.
+- `repeat_kind` marks a scored token "far" when the n-gram it ends was seen
+  only more than `window` positions before its query, "near" when seen
+  within them, else "new"; `by_repeat` puts every token in its kind.
 """
 
 from __future__ import annotations
@@ -101,3 +104,20 @@ def test_by_position_buckets_every_token_once(ppl):
     assert buckets["100-512"] == pytest.approx(math.exp((200 * 1.0 + 412 * 3.0) / 612))
     assert buckets["512-"] == pytest.approx(math.exp(3.0))
     assert list(ppl.by_position([[-1.0] * 50], edges=(0, 100, 512))) == ["0-100"]
+
+
+def test_repeat_kind_splits_by_where_the_ngram_was_last_seen(ppl):
+    phrase = [7, 8, 9, 10, 11]
+    doc = phrase + list(range(100, 140)) + phrase + list(range(200, 202)) + phrase  # copies 45 and 7 after
+    kinds = ppl.repeat_kind(doc, window=20, n=4)
+    assert len(kinds) == len(doc) - 1
+    # scored token doc[t + 1]; the n-gram 7,8,9,10 ends at doc[t + 1] = 10, i.e. t = 2 in each copy
+    first, second, third = 0, 45, 52
+    assert kinds[first + 2] == kinds[first + 3] == "new"
+    assert kinds[second + 2] == kinds[second + 3] == "far"  # last seen 45 back, beyond the window of 20
+    assert kinds[third + 2] == kinds[third + 3] == "near"  # last seen 7 back
+    assert kinds.count("far") == 2 and kinds.count("near") == 2
+    logprobs = [[-1.0 if k == "new" else -0.1 for k in kinds]]
+    split = ppl.by_repeat([doc], logprobs, window=20)
+    assert sum(v["tokens"] for v in split.values()) == len(kinds)
+    assert split["far"]["ppl"] == pytest.approx(math.exp(0.1)) and split["new"]["ppl"] == pytest.approx(math.e)

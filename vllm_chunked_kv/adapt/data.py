@@ -8,6 +8,13 @@ of the seven training phrasings is the evaluation's).
 - text row: `length` tokens of consecutive docstring passages. Loss: KL to
   the full-attention teacher on every token (keeps the model's general
   ability under compression).
+- repeat row: a text row in which, after the first `min_distance` tokens,
+  stretches of fresh text alternate with verbatim copies of earlier spans of
+  the same row, every copied token at least `min_distance` tokens after its
+  source (beyond the raw window). Loss: KL on every token. Held-out text repeats phrases
+  far apart, and those tokens are most of what pooling costs in perplexity
+  (`benchmarks/perplexity.py`'s `ppl_by_repeat`); the full-attention teacher
+  copies them almost surely, so these rows teach copying from pooled rows.
 - retrieval row: docstring filler with 2-6 facts ("The badge number assigned
   to Elena Costa is 5521.") at random token positions, then questions about
   some of them (1-3 by default), each answered by its code. Most asked
@@ -55,6 +62,26 @@ def _filler(tokenizer, rng: random.Random, count: int) -> list[int]:
 
 def text_row(tokenizer, rng: random.Random, length: int) -> Row:
     ids = _filler(tokenizer, rng, length)
+    return Row(ids, [IGNORE] * length)
+
+
+COPY_TOKENS = (12, 64)  # length of a copied span in a repeat row, inclusive
+FRESH_TOKENS = (16, 96)  # fresh text between two copies
+
+
+def repeat_row(tokenizer, rng: random.Random, length: int, min_distance: int = 160) -> Row:
+    """A repeat row of exactly `length` tokens (see the module docstring): about two
+    fifths of the tokens after the first `min_distance` are copies."""
+    ids = _filler(tokenizer, rng, length)  # [length]
+    pos = min_distance
+    while True:
+        pos += rng.randint(*FRESH_TOKENS)  # keep the filler here
+        size = rng.randint(*COPY_TOKENS)
+        if pos + size > length:
+            break
+        src = rng.randint(0, pos - min_distance)  # every copied token is min_distance or more after its source
+        ids[pos:pos + size] = ids[src:src + size]  # slice copy first: fine even if the spans overlap
+        pos += size
     return Row(ids, [IGNORE] * length)
 
 

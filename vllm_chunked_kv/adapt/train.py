@@ -56,6 +56,7 @@ class AdaptOptions:
     rows: int = 4  # rows per batch
     full_rows: int = 1  # of which the last ones run at full attention
     text_rows: int = 1  # of which the first chunked ones are plain text (the rest retrieval)
+    repeat_rows: int = 0  # and the next chunked ones text with far verbatim repeats (adapt/data.py repeat_row)
     length: int = 768  # tokens per row
     lr: float = 1e-3
     warmup: int = 20
@@ -89,6 +90,10 @@ def check_options(cfg: ChunkedKVConfig, opts: AdaptOptions) -> None:
     """Refuse, by name, options the settings cannot train with."""
     device(opts)
     precision(opts)
+    if min(opts.text_rows, opts.repeat_rows, opts.full_rows) < 0 or \
+            opts.text_rows + opts.repeat_rows + opts.full_rows > opts.rows:
+        raise ValueError(f"rows: {opts.rows} rows cannot hold {opts.text_rows} text, {opts.repeat_rows} repeat "
+                         f"and {opts.full_rows} full-attention rows")
     if opts.gains_per_layer and not opts.learn_gains:
         raise ValueError("gains_per_layer: needs learn_gains")
     if opts.learn_gains and not gains_apply(cfg):
@@ -151,13 +156,18 @@ def lr_at(step: int, opts: AdaptOptions) -> float:
 
 
 def step_rows(tokenizer, step: int, opts: AdaptOptions) -> list[data.Row]:
-    """The batch of `step`: text rows first, then retrieval rows (the last `full_rows` at full attention)."""
+    """The batch of `step`: text rows first, then repeat rows, then retrieval rows (the last
+    `full_rows` at full attention: text in odd steps, retrieval in even ones)."""
     rng = random.Random(f"{opts.seed}:{step}")
     rows = []
     for i in range(opts.rows):
-        text = i < opts.text_rows or (i >= opts.rows - opts.full_rows and step % 2 == 1)
-        rows.append(data.text_row(tokenizer, rng, opts.length) if text else
-                    data.retrieval_row(tokenizer, rng, opts.length, questions=(opts.min_questions, opts.max_questions),
+        full = i >= opts.rows - opts.full_rows
+        if i < opts.text_rows or (full and step % 2 == 1):
+            rows.append(data.text_row(tokenizer, rng, opts.length))
+        elif i < opts.text_rows + opts.repeat_rows and not full:
+            rows.append(data.repeat_row(tokenizer, rng, opts.length))
+        else:
+            rows.append(data.retrieval_row(tokenizer, rng, opts.length, questions=(opts.min_questions, opts.max_questions),
                                            distractors=opts.distractors))
     return rows
 
