@@ -2,7 +2,7 @@
 
 Each step (docs/adapt.md has the reasons and what was tried):
 
-- a batch of `rows` rows of `length` tokens: retrieval rows and text rows
+- a batch of `rows` rows of `length` tokens: text, repeat and retrieval rows
   (`adapt.data`), drawn from `Random(f"{seed}:{step}")`;
 - the teacher is the same model with its adapters switched off, under full
   attention: its next-token distributions on every row, without gradients;
@@ -55,8 +55,8 @@ class AdaptOptions:
     steps: int = 360
     rows: int = 4  # rows per batch
     full_rows: int = 1  # of which the last ones run at full attention
-    text_rows: int = 1  # of which the first chunked ones are plain text (the rest retrieval)
-    repeat_rows: int = 0  # and the next chunked ones text with far verbatim repeats (adapt/data.py repeat_row)
+    text_rows: int = 1  # of which the first chunked ones are plain text
+    repeat_rows: int = 0  # and the next chunked ones text with far verbatim repeats (the rest retrieval)
     length: int = 768  # tokens per row
     lr: float = 1e-3
     warmup: int = 20
