@@ -4,7 +4,8 @@
 - A step's batch is `text_rows` text rows, then `repeat_rows` repeat rows,
   then retrieval rows, the last `full_rows` at full attention (text in odd
   steps, retrieval in even ones); counts that do not fit in `rows` are
-  refused by name.
+  refused by name; a batch with no full-attention rows, or only those,
+  trains too (and the first step's KL shows which attention ran).
 - Training lowers the loss: on a batch repeated every step, the loss of the
   last steps is well below that of the first (the update direction is right;
   the real run's curve is in the adapted model's ADAPT.md).
@@ -112,6 +113,15 @@ def test_loss_falls_and_base_weights_stay(byte_tokenizer, tmp_path, monkeypatch)
     for name, p in model.named_parameters():
         if name in base:
             assert torch.equal(p, base[name]), name
+
+
+@pytest.mark.parametrize("full_rows", [0, 3])
+def test_batches_without_chunked_or_without_full_rows_train(byte_tokenizer, tmp_path, full_rows):
+    opts = train.AdaptOptions(steps=2, lr=5e-3, warmup=1, **{**OPTS, "full_rows": full_rows, "text_rows": 0})
+    records = train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None).records
+    assert [r["step"] for r in records] == [1, 2]
+    # adapters start at zero: at full attention the student is the teacher, chunked it is not
+    assert (records[0]["kl"] > 1e-4) == (full_rows == 0), records
 
 
 @pytest.mark.parametrize("learn_gains,per_layer", [(False, False), (True, False), (True, True)])

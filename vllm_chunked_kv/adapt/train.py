@@ -188,7 +188,8 @@ def loss_terms(model, adapters, ids, labels, cfg: ChunkedKVConfig, opts: AdaptOp
     split = ids.shape[0] - opts.full_rows  # rows [0, split) chunked
     with torch.no_grad(), lora.disabled(adapters):
         teacher = _logits(model, ids, None).float().log_softmax(-1)  # [rows, length, vocab]
-    student = torch.cat([_logits(model, ids[:split], cfg, gains), _logits(model, ids[split:], None)])
+    parts = [(ids[:split], cfg), (ids[split:], None)]  # chunked rows, then full-attention rows; either may be empty
+    student = torch.cat([_logits(model, part, part_cfg, gains) for part, part_cfg in parts if part.shape[0]])
     student = student.float().log_softmax(-1)  # [rows, length, vocab]
     kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
     answer = labels != data.IGNORE
