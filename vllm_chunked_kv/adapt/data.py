@@ -12,9 +12,10 @@ of the seven training phrasings is the evaluation's).
   stretches of fresh text alternate with verbatim copies of earlier spans of
   the same row, every copied token at least `min_distance` tokens after its
   source (beyond the raw window). Loss: KL on every token. Held-out text
-  repeats phrases far apart, and those tokens are most of what pooling costs in perplexity
-  (`benchmarks/perplexity.py`'s `ppl_by_repeat`); the full-attention teacher
-  copies them almost surely, so these rows teach copying from pooled rows.
+  repeats phrases far apart, and those tokens are most of what pooling
+  costs in perplexity (`benchmarks/perplexity.py`'s `ppl_by_repeat`); the
+  full-attention teacher copies them almost surely, so these rows teach
+  copying from pooled rows.
 - retrieval row: docstring filler with 2-6 facts ("The badge number assigned
   to Elena Costa is 5521.") at random token positions, then questions about
   some of them (1-3 by default), each answered by its code. Most asked
