@@ -4,7 +4,7 @@
   standard output; the directory holds `chunked_kv_serve.json` with the
   settings the adapter was trained for (chunk 4, window 128, 4 sinks, grids
   cycled over the layers, pooling "gated" with the slot gains learned with
-  the adapter: unequal, summing to 1), and differs from the base model only
+  the adapter, one set per layer: each unequal and summing to 1), and differs from the base model only
   in the attention projections (the merged adapter).
 - vLLM serves it with CHUNKED_KV in those settings (the backend is seen
   running) and it answers.
@@ -48,8 +48,10 @@ def adapted_dir(smollm2_dir, models_cache):
 def test_adapted_directory(adapted_dir, smollm2_dir):
     cfg = read_serve_config(adapted_dir)
     assert (cfg.chunk_size, cfg.hop, cfg.window, cfg.sink_tokens, cfg.pooling) == (4, 4, 128, 4, "gated")
-    gains = cfg.normalised_gains()
-    assert sum(gains) == pytest.approx(1.0) and max(gains) - min(gains) > 0.1, gains  # learned, not the mean
+    assert cfg.per_layer_gains and len(cfg.slot_gains) == 30
+    for layer in range(30):
+        gains = cfg.for_layer(layer).normalised_gains()
+        assert sum(gains) == pytest.approx(1.0) and max(gains) - min(gains) > 0.1, (layer, gains)  # learned, not the mean
     cycle = [[0, 2, 0], [1, 3, 1], [2, 0, 2], [3, 1, 3]]  # grids cycled over layers (models/adapters/.../ADAPT.md)
     assert [list(cfg.origins(layer, 3)) for layer in range(30)] == [cycle[layer % 4] for layer in range(30)]
     base, merged = load_file(str(smollm2_dir / "model.safetensors")), load_file(str(adapted_dir / "model.safetensors"))
