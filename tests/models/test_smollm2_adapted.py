@@ -4,8 +4,9 @@
   standard output; the directory holds `chunked_kv_serve.json` with the
   settings the adapter was trained for (chunk 4, window 128, 4 sinks, grids
   cycled over the layers, pooling "gated" with the slot gains learned with
-  the adapter, one set per layer: each unequal and summing to 1), and differs from the base model only
-  in the attention projections (the merged adapter).
+  the adapter, one set per layer: each unequal and summing to 1), and
+  differs from the base model only in the attention projections (the
+  merged adapter).
 - vLLM serves it with CHUNKED_KV in those settings (the backend is seen
   running) and it answers.
 - Under the chunked attention it was adapted for, it retrieves prose codes
