@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vllm_chunked_kv.demo import real_model
 from vllm_chunked_kv.scan.stats import clustered_wilson, wilson
-from vllm_chunked_kv.serve_file import SERVE_FILE
+from vllm_chunked_kv.core.serve_file import SERVE_FILE
 
 
 def task_lines() -> list[dict]:

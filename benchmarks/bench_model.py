@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_chunked_kv.testing.models import save_word_tokenizer, vocabulary
+from vllm_chunked_kv.models.tiny import save_word_tokenizer, vocabulary
 
 
 def build_bench_model(path: Path, *, layers: int = 4, hidden: int = 512, heads: int = 8, kv_heads: int = 2,

@@ -28,10 +28,10 @@ import re
 import tempfile
 from pathlib import Path
 
-from vllm_chunked_kv import layout
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.integration.raw_cache import kept_tail_rows
-from vllm_chunked_kv.testing.engine_run import generate
+from vllm_chunked_kv.core import layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.backend.raw_cache import kept_tail_rows
+from vllm_chunked_kv.runner.engine import generate
 
 from bench_model import build_bench_model
 

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.adapt import data
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.demo.attention import chunked_attention
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.hf.attention import chunked_attention
 from vllm_chunked_kv.ops.masked import extended_kv
-from vllm_chunked_kv.serve_file import SERVE_FILE
+from vllm_chunked_kv.core.serve_file import SERVE_FILE
 
 
 def span_mass(model, cfg: ChunkedKVConfig, ids: list[int], span: list[int],

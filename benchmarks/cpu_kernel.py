@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from vllm_chunked_kv import layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, PagedBatch, build_plan

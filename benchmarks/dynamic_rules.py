@@ -16,8 +16,8 @@ import argparse
 
 import torch
 
-from vllm_chunked_kv import boundaries
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import boundaries
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.evaluate import load_model, needle_sweep
 
 

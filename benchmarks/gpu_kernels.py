@@ -41,8 +41,8 @@ from functools import partial
 
 import torch
 
-from vllm_chunked_kv import grid, layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid, layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.masked import masked_chunked_attention
 from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 from vllm_chunked_kv.demo.modes import MITIGATION_MODES
-from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings
-from vllm_chunked_kv.testing.engine_run import worker_or_main
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, read_serve_config, serve_settings
+from vllm_chunked_kv.runner.engine import worker_or_main
 
 DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
 # Mode -> settings over DEFAULT_SETTINGS (None: vLLM's default backend).
@@ -86,7 +86,7 @@ def mode_settings(mode: str, model_dir: str | Path, base: dict | None = None) ->
 
 def beyond_position(settings: dict | None) -> int:
     """First query position counted as "beyond window": sinks + window + chunk_size."""
-    from vllm_chunked_kv.config import ChunkedKVConfig
+    from vllm_chunked_kv.core.config import ChunkedKVConfig
 
     cfg = ChunkedKVConfig(**(settings or DEFAULT_SETTINGS))
     return cfg.sink_tokens + cfg.window + cfg.chunk_size

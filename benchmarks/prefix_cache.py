@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.testing.engine_run import run_json_script, worker_or_main
+from vllm_chunked_kv.runner.engine import run_json_script, worker_or_main
 
 from bench_model import build_bench_model
 

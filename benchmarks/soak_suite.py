@@ -24,7 +24,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from vllm_chunked_kv.local_server import VllmServer
+from vllm_chunked_kv.runner.server import VllmServer
 
 CHUNKED = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
 SERVERS = {

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_chunked_kv.testing.engine_run import run_json_script, worker_or_main
+from vllm_chunked_kv.runner.engine import run_json_script, worker_or_main
 
 from bench_model import build_bench_model
 
@@ -133,7 +133,7 @@ def bandwidth_rows(model: Path, args, settings: dict) -> list[dict]:
     """The C++ attention's read rate against a memcpy, per batch at the largest context."""
     import torch
 
-    from vllm_chunked_kv.config import ChunkedKVConfig
+    from vllm_chunked_kv.core.config import ChunkedKVConfig
 
     from cpu_kernel import memcpy_bandwidth, paged_step, time_ops
 

@@ -1,10 +1,21 @@
-"""Session fixtures: the tiny test models are built once per test session.
+"""Session fixtures and the suite's rules.
 
-Under pytest-xdist every worker gets an equal share of the cores for OpenMP
-(`OMP_NUM_THREADS`, inherited by the engines and servers the tests start),
-unless the caller set it. Two workers each running a 2-thread engine on 2
-cores made every engine step wait on descheduled OpenMP threads: measured
-side by side, one invariance schedule took 95 s instead of 10 s."""
+- The tiny test models are built once per test session.
+- Under pytest-xdist every worker gets an equal share of the cores for
+  OpenMP (`OMP_NUM_THREADS`, inherited by the engines and servers the tests
+  start), unless the caller set it. Two workers each running a 2-thread
+  engine on 2 cores made every engine step wait on descheduled OpenMP
+  threads: measured side by side, one invariance schedule took 95 s instead
+  of 10 s.
+- A test that starts an in-process engine, a `vllm serve` server or a pip
+  download carries the `engine`, `server` or `download` marker (its fixtures
+  included): the runner's entry points refuse otherwise, so the tiers
+  (`-m "not slow"`, `-m "not server"`, ...) select what they say.
+- pytest-xdist groups (`--dist loadgroup`): a test file is one group (its
+  module fixtures are built once) unless its tests name their own
+  `xdist_group`; groups with slow tests are sent first, so the longest ones
+  do not start last.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +27,46 @@ if _workers > 1:  # before anything imports torch
 
 import pytest  # noqa: E402
 
-from vllm_chunked_kv.testing import models  # noqa: E402
+from vllm_chunked_kv.models import download  # noqa: E402
+from vllm_chunked_kv.models import tiny as models  # noqa: E402
+from vllm_chunked_kv.runner import engine, server  # noqa: E402
+
+_running: pytest.Item | None = None  # the test being set up, run or torn down
+
+
+def _declared(marker: str, what: str, function):
+    def guarded(*args, **kwargs):
+        if _running is not None and _running.get_closest_marker(marker) is None:
+            raise AssertionError(f"{_running.nodeid} {what} but is not marked @pytest.mark.{marker}")
+        return function(*args, **kwargs)
+
+    return guarded
+
+
+engine.run_forked = _declared("engine", "starts a vLLM engine", engine.run_forked)
+server.vllm_executable = _declared("server", "starts `vllm serve`", server.vllm_executable)
+download.run_pip = _declared("download", "runs a pip download", download.run_pip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _running
+    _running = item
+    try:
+        return (yield)
+    finally:
+        _running = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per file unless a test names its own; files with slow tests first."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    group = {item: item.get_closest_marker("xdist_group").args[0] for item in items}
+    slow_groups = {group[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: group[item] not in slow_groups)  # stable: files keep their order
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,17 @@
-"""The package's shape, as the docs promise it:
+"""The package's shape, as docs/design.md ("Code layout") promises it:
 
-- the serving path (backend, config, grid, layout, presets, `integration/`,
-  `serving/`, `ops/`) imports only vLLM, what vLLM brings (torch, triton,
-  fastapi) and the core dependencies in pyproject.toml; the scanner's,
-  demo's and model tools' packages are extras;
+- floors: every subpackage sits on one floor, and a module imports only from
+  its own floor or the floors below it (lazy imports included):
+  tools -> serving -> backend -> ops -> core; among the tools, the shared
+  libraries (tasks, hf, runner) sit below the tools that use them, and the
+  commands on top;
+- the serving path (`core/`, `ops/`, `backend/`, `serving/`) imports only vLLM,
+  what vLLM brings (torch, triton, fastapi) and the core dependencies in
+  pyproject.toml; the scanner's, demo's and model tools' packages are extras;
 - loading the plugin the way vLLM does (register, then the metrics and
-  feedback entry points) imports none of `scan`, `demo`, `adapt`, `models`,
-  `tasks` or `testing`;
-- no import circle between the package's modules (lazy imports included);
-- no module over 400 lines.
+  feedback entry points) imports no tool;
+- the package root holds only `__init__.py`; no import circle between the
+  package's modules; no module over 400 lines.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_chunked_kv"
-SERVING_PATH = [*PACKAGE.glob("*.py"), *PACKAGE.glob("integration/*.py"), *PACKAGE.glob("serving/*.py"),
-                *PACKAGE.glob("ops/*.py")]
-COMMANDS = {"cli.py", "quickstart.py", "local_server.py"}  # entry points of the extras' commands
+# subpackage -> floor; an import may only go to the same floor or a lower one
+FLOORS = {
+    "core": 0, "ops": 1, "backend": 2, "serving": 3,
+    "tasks": 4, "hf": 4, "runner": 4,  # libraries the tools share
+    "models": 5, "scan": 5,
+    "adapt": 6, "demo": 6,
+    "commands": 7,
+}
+SERVING = ("core", "ops", "backend", "serving")
 FROM_VLLM = {"vllm", "torch", "triton", "fastapi"}
-TOOLS = ("scan", "demo", "adapt", "models", "tasks", "testing")
 
 
 def module_name(path: Path) -> str:
@@ -46,17 +54,39 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+def subpackage(name: str) -> str | None:
+    """`vllm_chunked_kv.ops.reference` -> "ops"; the root itself -> None."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "vllm_chunked_kv" else None
+
+
+def test_every_subpackage_has_a_floor_and_the_root_only_registers():
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages == set(FLOORS)
+    assert [p.name for p in PACKAGE.glob("*.py")] == ["__init__.py"]
+
+
+def test_no_import_goes_up_a_floor():
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        here = subpackage(module_name(path))
+        if here is None:  # the root's register(): vLLM's entry point into backend/
+            continue
+        for name in imports(path):
+            there = subpackage(name)
+            if there in FLOORS and FLOORS[there] > FLOORS[here]:
+                upward.append(f"{path.relative_to(ROOT)} ({here}, floor {FLOORS[here]}) imports {name} (floor {FLOORS[there]})")
+    assert not upward, "\n".join(upward)
+
+
 def test_serving_path_needs_only_the_core_dependencies():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {dep.split(">")[0].split("=")[0].split("[")[0].strip().replace("-", "_") for dep in project["dependencies"]}
     allowed = core | FROM_VLLM | {"pydantic_core", "vllm_chunked_kv"} | set(sys.stdlib_module_names)
-    for path in SERVING_PATH:
-        if path.name in COMMANDS:
-            continue
+    paths = [PACKAGE / "__init__.py", *(p for floor in SERVING for p in (PACKAGE / floor).glob("*.py"))]
+    for path in paths:
         third_party = {name.split(".")[0] for name in imports(path)} - allowed
         assert not third_party, f"{path.relative_to(ROOT)} imports {sorted(third_party)}"
-        tools = [n for n in imports(path) if n.split(".")[:2][-1] in TOOLS and n.startswith("vllm_chunked_kv.")]
-        assert not tools, f"{path.relative_to(ROOT)} imports {tools}"
     extras = project["optional-dependencies"]
     assert {"scan", "demo", "models", "cpu", "cuda", "test"} <= set(extras)
     assert not {"numpy", "scipy", "matplotlib", "openai", "httpx"} & core
@@ -67,13 +97,13 @@ def test_loading_the_plugin_imports_no_tool():
         "import json, sys\n"
         "import vllm_chunked_kv\n"
         "vllm_chunked_kv.register()\n"
-        "import vllm_chunked_kv.backend, vllm_chunked_kv.serving.metrics, vllm_chunked_kv.serving.feedback\n"
+        "import vllm_chunked_kv.backend.attention, vllm_chunked_kv.serving.metrics, vllm_chunked_kv.serving.feedback\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('vllm_chunked_kv.'))))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "vllm_chunked_kv.backend" in loaded and "vllm_chunked_kv.integration.registration" in loaded
-    assert not [m for m in loaded if m.split(".")[1] in TOOLS]
+    assert "vllm_chunked_kv.backend.attention" in loaded and "vllm_chunked_kv.backend.registration" in loaded
+    assert not [m for m in loaded if subpackage(m) not in SERVING]
 
 
 def test_no_import_circle():
@@ -105,3 +135,13 @@ def test_no_import_circle():
 def test_modules_stay_readable():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert not long
+
+
+def test_tests_mirror_the_package():
+    """Every subpackage has its tests in tests/<subpackage>/ (the whole-package
+    checks, like this file, stay at the top)."""
+    tested = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert set(FLOORS) <= tested, f"no tests/<name>/ for {sorted(set(FLOORS) - tested)}"
+    stray = [p.name for p in (ROOT / "tests").glob("test_*.py")
+             if p.name not in {"test_package_structure.py", "test_packaging.py", "test_front_door.py"}]
+    assert not stray, f"tests at the top that belong to a subpackage: {stray}"

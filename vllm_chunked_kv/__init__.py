@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """Register the CHUNKED_KV attention backend with vLLM (idempotent)."""
-    from vllm_chunked_kv.integration.registration import register_backend
+    from vllm_chunked_kv.backend.registration import register_backend
 
     register_backend()

@@ -19,9 +19,9 @@ import re
 import pytest
 from safetensors.torch import load_file
 
-from vllm_chunked_kv.cli import main
-from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
-from vllm_chunked_kv.testing.engine_run import generate
+from vllm_chunked_kv.commands.main import main
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, read_serve_config
+from vllm_chunked_kv.runner.engine import generate
 
 SETTINGS = {"chunked_kv": {"chunk_size": 4, "window": 16, "sink_tokens": 4, "stagger": "layers"}}
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from vllm_chunked_kv.adapt import lora
+from vllm_chunked_kv.models import merge
 from tests.adapt.conftest import tiny_byte_llama
 
 IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -66,10 +67,10 @@ def test_merge_gives_the_adapted_model(tmp_path):
         a.lora_b.data = a.lora_b.data.to(torch.bfloat16).float()
     adapted = model(input_ids=IDS).logits
     lora.save_adapter(adapters, tmp_path, {"base_model": "tiny"})
-    meta = json.loads((tmp_path / lora.ADAPTER_META).read_text())
+    meta = json.loads((tmp_path / merge.ADAPTER_META).read_text())
     assert meta["rank"] == 4 and meta["targets"] == sorted(lora.TARGETS)
     untouched = {n: p.clone() for n, p in plain.named_parameters() if not n.endswith(tuple(f"{t}.weight" for t in lora.TARGETS))}
-    assert lora.merge_into(plain, tmp_path) == 8
+    assert merge.merge_into(plain, tmp_path) == 8
     torch.testing.assert_close(plain(input_ids=IDS).logits, adapted, atol=2e-5, rtol=1e-4)
     for name, p in plain.named_parameters():
         if name in untouched:
@@ -83,7 +84,7 @@ def test_merge_refuses_foreign_adapters(tmp_path):
     other = tiny_byte_llama()
     other.model.layers = other.model.layers[:1]  # a model with one layer fewer
     with pytest.raises(ValueError, match="not a linear layer"):
-        lora.merge_into(other, tmp_path)
+        merge.merge_into(other, tmp_path)
 
 
 def _saved_rank4_adapter(path):

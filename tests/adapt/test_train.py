@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from vllm_chunked_kv.adapt import lora, train
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from tests.adapt.conftest import tiny_byte_llama
 
 CFG = ChunkedKVConfig(chunk_size=4, window=64, sink_tokens=4, stagger="heads")

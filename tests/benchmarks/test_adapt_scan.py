@@ -29,7 +29,7 @@ import shutil
 import pytest
 
 from vllm_chunked_kv.demo import real_model
-from vllm_chunked_kv.serve_file import SERVE_FILE
+from vllm_chunked_kv.core.serve_file import SERVE_FILE
 
 SETTINGS = {"chunk_size": 4, "window": 32, "sink_tokens": 4, "stagger": "heads"}
 

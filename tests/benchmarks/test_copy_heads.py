@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from tests.adapt.conftest import ByteTokenizer, tiny_byte_llama
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.demo.attention import chunked_attention
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.hf.attention import chunked_attention
 
 CFG = ChunkedKVConfig(chunk_size=4, window=16, sink_tokens=4, stagger="layers")
 

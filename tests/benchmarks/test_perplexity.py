@@ -88,7 +88,7 @@ def test_modes_and_served_settings(ppl, tmp_path):
     settings = {"chunk_size": 4, "window": 32, "sink_tokens": 4, "stagger": "heads"}
     serve = {"attention_backend": "chunked_kv", "additional_config": {"chunked_kv": settings}}
     (tmp_path / ppl.SERVE_FILE).write_text(json.dumps(serve))
-    from vllm_chunked_kv.config import ChunkedKVConfig
+    from vllm_chunked_kv.core.config import ChunkedKVConfig
 
     served = ChunkedKVConfig.from_additional_config({"chunked_kv": ppl.mode_settings("served", tmp_path)})
     assert served == ChunkedKVConfig(**settings)

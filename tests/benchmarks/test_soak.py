@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_chunked_kv.local_server import VllmServer
+from vllm_chunked_kv.runner.server import VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

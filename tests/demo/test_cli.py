@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.demo import cli
-from vllm_chunked_kv.serve_file import read_serve_config
+from vllm_chunked_kv.core.serve_file import read_serve_config
 
 
 def _args(*argv):

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.architecture import build_model
 from vllm_chunked_kv.demo.evaluate import encode, needle_sweep, predict
 from vllm_chunked_kv.tasks.kv_retrieval import VOCAB, make_prompt
@@ -41,7 +41,7 @@ def test_predict_is_last_position_argmax(model, cfg):
     prompts = [make_prompt(rng, haystack_len=length, num_records=4) for length in (30, 40, 30, 40, 30)]
     words = predict(model, prompts, cfg, batch_size=2)
     assert words == predict(model, prompts, cfg, batch_size=64)
-    from vllm_chunked_kv.demo.attention import chunked_attention
+    from vllm_chunked_kv.hf.attention import chunked_attention
 
     with torch.no_grad(), chunked_attention(model, cfg):
         for prompt, word in zip(prompts, words):

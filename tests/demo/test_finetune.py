@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig, ChunkedKVConfigError
+from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.demo import finetune
-from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config, serve_settings
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, read_serve_config, serve_settings
 from vllm_chunked_kv.demo.evaluate import DEFAULT_MODEL_DIR
 from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION
 

@@ -20,7 +20,7 @@ import pytest
 
 from vllm_chunked_kv.demo import cli as demo_cli
 from vllm_chunked_kv.demo import real_model
-from vllm_chunked_kv.serve_file import SERVE_FILE
+from vllm_chunked_kv.core.serve_file import SERVE_FILE
 
 
 def test_modes_cover_every_mitigation_and_the_adapted_rows(tmp_path):

@@ -25,7 +25,7 @@ import torch
 
 from vllm_chunked_kv.demo.architecture import demo_config
 from vllm_chunked_kv.demo.evaluate import DEFAULT_MODEL_DIR, accuracy, load_model, needle_sweep
-from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, read_serve_config
 from vllm_chunked_kv.demo.train import FINETUNE_COMPRESSION, GAINS_FILE, gated_config
 
 GATED_DIR = DEFAULT_MODEL_DIR.parent / "model_gated"

@@ -25,8 +25,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from vllm_chunked_kv.adapt.train import native_bf16
-from vllm_chunked_kv.testing.engine_run import in_process_scheduler, run_engine_process
+from vllm_chunked_kv.ops.dispatch import native_bf16
+from vllm_chunked_kv.runner.engine import in_process_scheduler, run_engine_process
 
 # The checkpoint's bf16 where the CPU computes it natively; fp32 where bf16 is emulated (AVX2 only:
 # three SmolLM2 runs took 8.5 minutes in bf16 there).

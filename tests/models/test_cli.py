@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-from vllm_chunked_kv.cli import main
+from vllm_chunked_kv.commands.main import main
 from vllm_chunked_kv.models import convert, download
 
 from . import fakes
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import fakes
-from vllm_chunked_kv.cli import main
+from vllm_chunked_kv.commands.main import main
 from vllm_chunked_kv.models import convert
 
 class Patch:
@@ -38,7 +38,7 @@ sys.exit(main(sys.argv[3:]))
 
 def run_cli(args: list[str], env: dict | None = None, fake: Path | None = None) -> subprocess.CompletedProcess:
     command = ([sys.executable, "-c", FAKE_CLI, str(Path(__file__).parent), str(fake)] if fake
-               else [sys.executable, "-m", "vllm_chunked_kv.cli"])
+               else [sys.executable, "-m", "vllm_chunked_kv.commands.main"])
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
 

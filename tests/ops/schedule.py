@@ -22,8 +22,8 @@ from __future__ import annotations
 import random
 import torch
 
-from vllm_chunked_kv import grid, layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid, layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.reference import reference_chunked_attention
 from vllm_chunked_kv.ops.decode_plan import build_decode_plan

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from vllm_chunked_kv.config import ChunkedKVConfig, ChunkedKVConfigError
+from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
 
 
 @st.composite

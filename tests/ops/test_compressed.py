@@ -26,8 +26,8 @@ import random
 import pytest
 import torch
 
-from vllm_chunked_kv import layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, dispatch
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE
 

@@ -31,7 +31,7 @@ import warnings
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
 
 from . import schedule

@@ -47,7 +47,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import cuda_ext
 
 from . import schedule

@@ -23,7 +23,7 @@
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, dispatch
 
 torch.set_num_threads(1)

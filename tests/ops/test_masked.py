@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ops.strategies import ORIGINS, configs, pick_origins, qkv
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.masked import extended_kv, masked_chunked_attention, visibility
 from vllm_chunked_kv.ops.reference import is_sealed, reference_chunked_attention, visible_set
 

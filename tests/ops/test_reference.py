@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ops.strategies import ORIGINS, configs, pick_origins, qkv, sdpa
-from vllm_chunked_kv import grid
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.reference import pool_chunk, reference_chunked_attention, visible_set
 
 torch.set_num_threads(1)

@@ -24,7 +24,7 @@ power-of-two values only (a bounded number of compiled variants).
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 
 from .schedule import CONFIGS, kernel_lengths
 

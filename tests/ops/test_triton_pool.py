@@ -10,7 +10,7 @@ fp32 (1e-5) and bf16 (one rounding) (every target slot written, nothing else). T
 import pytest
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 

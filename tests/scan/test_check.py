@@ -23,7 +23,7 @@ import json
 
 import pytest
 
-from vllm_chunked_kv.cli import main
+from vllm_chunked_kv.commands.main import main
 
 from .fake_server import FakeEndpoint
 

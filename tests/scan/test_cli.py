@@ -169,7 +169,7 @@ def test_changed_settings_are_refused(fake, scan, tmp_path):
 
 
 def test_console_script_prints_no_traceback(tmp_path):
-    command = [sys.executable, "-m", "vllm_chunked_kv.cli", "scan", "--base-url", f"http://127.0.0.1:{free_port()}",
+    command = [sys.executable, "-m", "vllm_chunked_kv.commands.main", "scan", "--base-url", f"http://127.0.0.1:{free_port()}",
                "--retries", "0", "--out", str(tmp_path / "s")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1

@@ -25,7 +25,7 @@ import json
 
 import pytest
 
-from vllm_chunked_kv.cli import main
+from vllm_chunked_kv.commands.main import main
 from vllm_chunked_kv.scan.client import EndpointClient
 from vllm_chunked_kv.scan.placement import ASSUMED_WINDOW, Geometry, geometry_from
 from vllm_chunked_kv.scan.render import Renderer

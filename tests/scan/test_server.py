@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from vllm_chunked_kv.cli import main
-from vllm_chunked_kv.local_server import VllmServer
+from vllm_chunked_kv.commands.main import main
+from vllm_chunked_kv.runner.server import VllmServer
 
 pytestmark = pytest.mark.server
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from vllm_chunked_kv.local_server import free_port, start_group, stop_group, wait_ready
+from vllm_chunked_kv.runner.server import free_port, start_group, stop_group, wait_ready
 
 DOCKER_PROMETHEUS = Path(__file__).resolve().parents[2] / "docker" / "prometheus"
 INTERVAL = "2s"  # scrape and rule evaluation; also the scrape timeout

@@ -22,8 +22,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.local_server import PROJECT_PLUGINS
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.runner.server import PROJECT_PLUGINS
 
 from .dashboard_queries import DOCKER
 

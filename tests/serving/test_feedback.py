@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from vllm_chunked_kv.serving import phase_registry
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.serving.feedback import CONFIG_PATH, ENV_WAIT, FEEDBACK_PATH, ChunkedKVFeedbackPlugin
 from vllm_chunked_kv.serving.metric_families import get_metrics
 from vllm_chunked_kv.serving.phase_registry import MemoryPhaseRegistry, PhaseRecord

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.local_server import VllmServer
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.runner.server import VllmServer
 
 pytestmark = pytest.mark.server
 

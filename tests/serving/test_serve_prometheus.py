@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.local_server import VllmServer
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.runner.server import VllmServer
 
 from .dashboard_queries import dashboard_exprs, rule_exprs, template_queries
 from .prometheus_server import PrometheusServer

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_settings(text: str):
     """A ChunkedKVConfig from `{"chunked_kv": {...}}` JSON (the wrapper is required, as vLLM's is)."""
-    from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
+    from vllm_chunked_kv.core.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
 
     try:
         obj = json.loads(text)
@@ -62,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vllm_chunked_kv.adapt import lora, report, train
-    from vllm_chunked_kv.config import ChunkedKVConfigError
-    from vllm_chunked_kv.serve_file import write_serve_file
+    from vllm_chunked_kv.models.merge import merge_adapter
+    from vllm_chunked_kv.core.config import ChunkedKVConfigError
+    from vllm_chunked_kv.core.serve_file import write_serve_file
 
     opts = train.AdaptOptions(**{f.name: getattr(args, f.name) for f in fields(train.AdaptOptions)})
     try:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     lora.save_adapter(adapted.adapters, adapter_dir, meta)
     served = train.serve_config(cfg, adapted.gains)
     write_serve_file(adapter_dir, served)
-    lora.merge_adapter(args.model_dir, adapter_dir, args.out)
+    merge_adapter(args.model_dir, adapter_dir, args.out)
     report.write_report(args.out, sys.argv, served, opts, time.perf_counter() - began, args.out / "work" / "train_log.jsonl")
     print(args.out)
     return 0

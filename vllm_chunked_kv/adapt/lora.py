@@ -1,4 +1,5 @@
-"""Low-rank adapters on a model's linear projections: add, switch off, save, merge.
+"""Low-rank adapters on a model's linear projections: add, switch off, save, load
+(merging a saved one into a checkpoint is `models.merge`).
 
 `adapt` trains only these: for each target linear layer ``W`` (by default
 q/k/v/o of every decoder layer; `--targets` may add the MLP's
@@ -12,7 +13,7 @@ Files of an adapter directory:
 
 - `adapter.safetensors`: ``<module path>.lora_a`` / ``.lora_b`` tensors (bf16);
 - `adapter.json`: rank, alpha, targets, the base model it was trained on;
-- `chunked_kv_serve.json`: how to serve the merged model (see `serve_file`).
+- `chunked_kv_serve.json`: how to serve the merged model (see `core.serve_file`).
 """
 
 from __future__ import annotations
@@ -20,19 +21,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from vllm_chunked_kv.serve_file import SERVE_FILE
+from vllm_chunked_kv.models.merge import ADAPTER_META, ADAPTER_WEIGHTS
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-ADAPTER_WEIGHTS = "adapter.safetensors"
-ADAPTER_META = "adapter.json"
 
 
 class LoRALinear(nn.Module):
@@ -146,38 +144,3 @@ def load_into(adapters: dict[str, LoRALinear], adapter_dir: Path) -> list[float]
         a.lora_a.data[:saved_rank].copy_(state[f"{path}.lora_a"])  # [saved_rank, in]
         a.lora_b.data[:, :saved_rank].copy_(state[f"{path}.lora_b"])  # [out, saved_rank]
     return meta.get("slot_gains")
-
-
-def merge_into(model: nn.Module, adapter_dir: Path) -> int:
-    """Add the saved adapter's updates to `model`'s plain linear weights; returns how many were merged."""
-    from safetensors.torch import load_file
-
-    meta = json.loads((adapter_dir / ADAPTER_META).read_text())
-    scale = meta["alpha"] / meta["rank"]
-    state = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    modules = dict(model.named_modules())
-    paths = sorted({key.rsplit(".", 1)[0] for key in state})
-    for path in paths:
-        linear = modules.get(path)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"adapter names {path}, which is not a linear layer of this model")
-        delta = state[f"{path}.lora_b"].float() @ state[f"{path}.lora_a"].float() * scale  # [out, in]
-        linear.weight.data = (linear.weight.data.float() + delta).to(linear.weight.dtype)
-    return len(paths)
-
-
-def merge_adapter(model_dir: Path, adapter_dir: Path, out_dir: Path) -> None:
-    """Write `model_dir` with `adapter_dir` merged into `out_dir`: weights in the base
-    checkpoint's dtype (the merge itself in fp32), tokenizer, serve file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    stored = model.dtype
-    merge_into(model.float(), Path(adapter_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(stored).save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    for name in ("tokenizer_config.json",):  # keep the base's tokenizer class (see models.fetch)
-        if (Path(model_dir) / name).exists():
-            shutil.copy(Path(model_dir) / name, out_dir / name)
-    shutil.copy(Path(adapter_dir) / SERVE_FILE, out_dir / SERVE_FILE)

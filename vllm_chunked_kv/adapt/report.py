@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.adapt import train
-from vllm_chunked_kv.serve_file import serve_settings
+from vllm_chunked_kv.core.serve_file import serve_settings
 
 _STEP = re.compile(r"^step (\d+)/(\d+) (.*)$")
 

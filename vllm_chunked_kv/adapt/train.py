@@ -8,14 +8,14 @@ Each step (docs/adapt.md has the reasons and what was tried):
   attention: its next-token distributions on every row, without gradients;
 - the student is the adapted model; the last `full_rows` rows run under full
   attention (so full-attention quality does not decay), the others under the
-  chunked attention it will be served with (`demo.attention`, the
+  chunked attention it will be served with (`hf.attention`, the
   reference's visible set);
 - loss = KL(teacher || student) averaged over tokens + cross-entropy on the
   retrieval answers; AdamW on the adapters only, linear warm-up then cosine
   decay to a tenth, gradients clipped at 1;
 - with `learn_gains`, the chunked rows pool each sealed chunk with learned
   per-slot gains (one softmax over `chunk_size` logits, shared by every layer
-  and head, or with `gains_per_layer` one per layer; `demo.attention`'s
+  and head, or with `gains_per_layer` one per layer; `hf.attention`'s
   gains), trained with the adapters at
   `GAINS_LR_SCALE` times their learning rate; the model is then served with
   `pooling="gated"` and those gains (`serve_config`); an `init_adapter`
@@ -42,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm_chunked_kv.adapt import data, lora, probe
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.demo.attention import GAINS_LR_SCALE, chunked_attention, gain_weights, gains_apply
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.hf.attention import GAINS_LR_SCALE, chunked_attention, gain_weights, gains_apply
+from vllm_chunked_kv.ops.dispatch import native_bf16
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -122,15 +123,6 @@ def device(opts: AdaptOptions) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {opts.device!r} asked for, but torch sees no CUDA GPU here")
     return dev
-
-
-def native_bf16(dev: torch.device | None = None) -> bool:
-    """Whether `dev` (default: the CPU) computes bf16 natively: a CUDA GPU that supports it,
-    or a CPU with AVX-512 BF16 or AMX; without it (an AVX2-only CPU) bf16 is emulated and
-    far slower than fp32."""
-    if dev is not None and dev.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def precision(opts: AdaptOptions) -> str:

@@ -80,7 +80,7 @@ def build_prompts(per_group: int, seed: int):
 
 
 def run_mode(model: str, settings: dict | None, token_ids: list[list[int]]) -> list[int]:
-    from vllm_chunked_kv.testing.engine_run import generate
+    from vllm_chunked_kv.runner.engine import generate
 
     engine = {"max_model_len": 512, "max_num_seqs": 64}
     if settings is not None:

@@ -10,7 +10,7 @@
   position), with Wilson intervals per phase and the best - worst gap
   (`scan.stats.compare_groups`).
 
-Chunked attention is the reference's (`demo.attention`), so these numbers
+Chunked attention is the reference's (`hf.attention`), so these numbers
 are what vLLM's compressed backend should reproduce.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.demo.attention import chunked_attention
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.hf.attention import chunked_attention
 from vllm_chunked_kv.scan.stats import Comparison, compare_groups, wilson
 from vllm_chunked_kv.tasks.kv_retrieval import VOCAB, KVPrompt, is_correct, make_prompt, needle_positions_by_phase
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_chunked_kv.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
-from vllm_chunked_kv.serve_file import SERVE_FILE, serve_settings, write_serve_file
+from vllm_chunked_kv.core.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, serve_settings, write_serve_file
 from vllm_chunked_kv.demo.train import (
     CURRICULUM,
     FINETUNE_COMPRESSION,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_chunked_kv.config import ChunkedKVConfig
-from vllm_chunked_kv.presets import PRESETS
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.core.presets import PRESETS
 
 
 def _mode(name: str) -> dict:

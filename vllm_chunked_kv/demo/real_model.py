@@ -45,7 +45,7 @@ def modes_for(adapted_dir: Path | None) -> list[tuple[str, Path | None, dict | N
     """(row name, model directory or None for the base model, settings) for every row."""
     rows = [(name, None, None if base is None else {**CHUNKED, **base}) for name, base in MODES.items()]
     if adapted_dir is not None:
-        from vllm_chunked_kv.serve_file import SERVE_FILE
+        from vllm_chunked_kv.core.serve_file import SERVE_FILE
 
         served = json.loads((adapted_dir / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
         rows += [
@@ -78,7 +78,7 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
     """
     from vllm_chunked_kv.scan import cli as scan_cli
     from vllm_chunked_kv.scan.session import scan
-    from vllm_chunked_kv.local_server import VllmServer
+    from vllm_chunked_kv.runner.server import VllmServer
 
     parser = argparse.ArgumentParser()
     scan_cli.add_arguments(parser)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.evaluate import NEEDLE_RANGE, accuracy, format_percent, needle_sweep
 
 

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.demo.architecture import build_model
-from vllm_chunked_kv.demo.attention import GAINS_LR_SCALE, chunked_attention, gain_weights
+from vllm_chunked_kv.hf.attention import GAINS_LR_SCALE, chunked_attention, gain_weights
 from vllm_chunked_kv.demo.data import IGNORE, batch
 
 # The compression the model is fine-tuned under (docs/design.md §8).

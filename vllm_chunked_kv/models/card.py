@@ -44,7 +44,7 @@ def adapted_card(spec: ModelSpec, base_dir: Path, adapter_dir: Path) -> str:
 {spec.name} (see `{base_dir / "README.md"}`) with the LoRA adapter shipped in
 vllm-chunked-kv (`{adapter_dir.name}/adapter.safetensors`, settings in
 `adapter.json`) merged into its weights by
-`vllm_chunked_kv.adapt.lora.merge_adapter`. The adapter was fine-tuned to
+`vllm_chunked_kv.models.merge.merge_adapter`. The adapter was fine-tuned to
 read a chunked KV cache; serve the model with the settings in
 `chunked_kv_serve.json`.
 

@@ -101,7 +101,7 @@ def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Pa
         raise ModelFetchError(f"no adapter for {spec.name} in this version of vllm-chunked-kv "
                               f"({adapter} lacks {', '.join(missing)})")
     try:
-        from vllm_chunked_kv.adapt.lora import merge_adapter
+        from vllm_chunked_kv.models.merge import merge_adapter
     except ImportError as exc:
         raise ModelFetchError(f"cannot merge the {spec.name} adapter: {exc}") from None
     base = _fetch_base(spec, cache_dir, False, say)

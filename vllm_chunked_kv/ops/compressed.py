@@ -1,6 +1,6 @@
 """Chunked attention over the compressed layout, in plain PyTorch.
 
-Per layer and step (see `layout.py` for where rows live, `step_plan.py` for
+Per layer and step (see `core/layout.py` for where rows live, `step_plan.py` for
 the indices):
 
 1. `write_raw`: store the step's new K/V rows that outlive the step in the
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_chunked_kv import grid
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
 from vllm_chunked_kv.ops.rows import gather_rows
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan, derived

@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cuda_ext, jit
 from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan, derived
 

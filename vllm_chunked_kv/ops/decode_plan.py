@@ -28,8 +28,8 @@ from functools import lru_cache
 
 import torch
 
-from vllm_chunked_kv import grid, layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid, layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPlan, visibility_bias
 
 

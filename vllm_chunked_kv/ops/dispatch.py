@@ -51,6 +51,15 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
+def native_bf16(dev: torch.device | None = None) -> bool:
+    """Whether `dev` (default: the CPU) computes bf16 natively: a CUDA GPU that supports it,
+    or a CPU with AVX-512 BF16 or AMX; without it (an AVX2-only CPU) bf16 is emulated and
+    far slower than fp32."""
+    if dev is not None and dev.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def available(impl: str, device=None, *, head_size: int | None = None, head_size_v: int | None = None,
               group: int = 1) -> list[str]:
     """Reasons why ``impl`` cannot run on ``device`` (default: the CUDA

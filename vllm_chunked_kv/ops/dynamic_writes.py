@@ -1,6 +1,6 @@
 """Dynamic boundaries in a step: write each unit's slot from the pages.
 
-`boundaries.py` defines the chunks on a whole sequence; here the same rule
+`core/boundaries.py` defines the chunks on a whole sequence; here the same rule
 runs on what a step has. Unit ``m`` (tokens ``[m*u, (m+1)*u)``) is written in
 the step that computes position ``m*u + lag`` (``lag`` = `layout.dynamic_lag_pages`
 whole pages, at least ``2 * chunk_size`` tokens: by then its chunk is
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_chunked_kv import boundaries, layout
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import boundaries, layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.rows import gather_rows
 
 

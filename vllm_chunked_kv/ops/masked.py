@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_chunked_kv import boundaries, grid
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import boundaries, grid
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.reference import check_shapes, pool_chunk
 
 

@@ -4,7 +4,7 @@ Positions count from 0 at the first prompt token. Each KV head has a grid
 origin ``o`` in ``[0, hop)`` (0 unless staggered; with per-request
 alignment, ``align``, the heads' origins shifted by the request's prompt
 length mod hop, `grid.shifted`); the grid itself (chunk bounds, the seal
-rule) is `grid.py`. For a query at position ``t`` on one
+rule) is `core/grid.py`. For a query at position ``t`` on one
 KV head:
 
 - chunks ``0 .. K-1`` are sealed, ``K = grid.num_sealed(cfg, t, o)``;
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_chunked_kv import boundaries, grid
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import boundaries, grid
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 
 
 def chunk_bounds(k: int, cfg: ChunkedKVConfig, origin: int = 0) -> tuple[int, int]:

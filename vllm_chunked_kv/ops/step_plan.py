@@ -8,7 +8,7 @@ both cache groups, then reused by every layer:
   kept for prefix caching are never stored, `raw_window.py`);
 - `ChunkWrites`: the chunks whose last token this step computes, with the
   rows they pool from (stored raw rows before the step, the step's own K/V
-  after) and the compressed slots they are written to (`layout.py`);
+  after) and the compressed slots they are written to (`core/layout.py`);
 - `KeySet`s: for a set of query tokens, which stored raw rows, which of the
   step's own rows and which compressed slots to attend to, and the additive
   bias (``-inf`` hidden, ``0`` raw, ``log_weight`` on pooled rows) that turns
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from vllm_chunked_kv import grid, layout
-from vllm_chunked_kv.grid import SlotKind
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid, layout
+from vllm_chunked_kv.core.grid import SlotKind
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dynamic_writes
 from vllm_chunked_kv.ops.dynamic_writes import DynamicWrites
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_chunked_kv import grid
+from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.ops.step_plan import KeySet, StepPlan
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -4,7 +4,7 @@
 one program pools ``BLOCK_C`` chunks of the step's `ChunkWrites`, each
 gathering its ``chunk_size`` rows from the step's own K/V or the stored raw
 pages, and stores the pooled row (and, with boundary retention, the chunk's
-first and last raw rows) at its compressed slots (`layout.py`).
+first and last raw rows) at its compressed slots (`core/layout.py`).
 
 Every pooling mode is one code path: fixed gains (``mean``, ``gated``) come
 from `compressed.fixed_gains` as a small tensor, ``key_norm`` is a softmax of
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_chunked_kv import grid
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core import grid
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 

@@ -116,7 +116,7 @@ async def get_config(request: Request) -> JSONResponse:
 
 def config_view(vllm_config: Any) -> dict[str, Any]:
     """What GET /v1/chunked_kv/config answers: settings, backend, footprint."""
-    from vllm_chunked_kv.config import ChunkedKVConfig
+    from vllm_chunked_kv.core.config import ChunkedKVConfig
     from vllm_chunked_kv.serving.kv_footprint import attention_backend_name, chunked_backend_active, footprint_from_vllm_config
 
     cfg = ChunkedKVConfig.from_vllm_config(vllm_config)

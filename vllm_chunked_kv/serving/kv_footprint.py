@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from vllm_chunked_kv.integration import BACKEND_NAME
+from vllm_chunked_kv.backend import BACKEND_NAME
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from vllm_chunked_kv.config import ChunkedKVConfig
+from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.serving.kv_footprint import attention_backend_name, footprint_from_vllm_config
 from vllm_chunked_kv.serving.metric_families import OUTCOMES, get_metrics
 from vllm_chunked_kv.serving.phase_registry import PhaseRecord, get_phase_registry

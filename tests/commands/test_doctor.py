@@ -1,0 +1,53 @@
+"""`vllm-chunked-kv doctor` says, without a server, which implementation
+would run and why the others cannot: on this CPU machine the C++ kernels
+(with their instruction set, flags and library), with the reasons for CUDA
+and Triton, and PyTorch when they are forbidden to build; a forced implementation that cannot run is a
+non-zero exit naming it. The vLLM line compares with the tested release."""
+
+from __future__ import annotations
+
+from vllm_chunked_kv.commands.main import main
+from vllm_chunked_kv.backend import compat
+
+
+def test_doctor_on_cpu(capsys):
+    assert main(["doctor", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"vllm {compat.vllm_version()} (tested with {compat.TESTED_VLLM}")
+    lines = {line.split()[0]: line for line in out[2:6]}
+    assert lines["torch"].endswith("can run")
+    assert "cannot run" in lines["cuda"] and "CUDA device" in lines["cuda"]
+    assert "cannot run" in lines["triton"]
+    assert lines["cpp"].startswith("cpp     can run (") and "-fopenmp" in lines["cpp"] and ".so" in lines["cpp"]
+    assert out[-1] == "chosen on cpu: cpp"
+
+
+def test_doctor_without_the_cpp_kernels(capsys, monkeypatch):
+    from vllm_chunked_kv.ops import cpu_ext, dispatch
+
+    saved = dict(cpu_ext._state)
+    monkeypatch.setenv(cpu_ext.BUILD_ENV, "0")
+    cpu_ext._reset_for_tests()
+    dispatch.clear_choices()
+    try:
+        assert main(["doctor", "--device", "cpu"]) == 0
+    finally:
+        cpu_ext._state.update(saved)
+        dispatch.clear_choices()
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("cpp ")] == [f"cpp     cannot run: {cpu_ext.BUILD_ENV}=0 forbids "
+                                                                  "building the C++ kernels"]
+    assert out[-1] == "chosen on cpu: torch"
+
+
+def test_doctor_reports_a_forced_implementation_that_cannot_run(capsys, monkeypatch):
+    monkeypatch.setenv("CHUNKED_KV_IMPL", "cuda")
+    assert main(["doctor", "--device", "cpu"]) == 1
+    assert "cuda" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_version_warning_names_both_versions():
+    assert compat.version_warning(compat.TESTED_VLLM) is None
+    assert compat.version_warning(compat.TESTED_VLLM + "+cpu") is None
+    warning = compat.version_warning("0.33.1")
+    assert "0.33.1" in warning and compat.TESTED_VLLM in warning

@@ -1,0 +1,362 @@
+"""CHUNKED_KV attention backend: vLLM's four roles in one file.
+
+- `ChunkedKVBackend`: the capability sheet vLLM selects on; its
+  `customize_spec` makes the layer's own pages compressed
+  (``tokens_per_state``, see `core/layout.py`).
+- `ChunkedKVMetadata`: per-step request layout every layer reads, and the
+  step's index plan (built once per step from both cache groups).
+- `ChunkedKVMetadataBuilder`: turns vLLM's common metadata into ours.
+- `ChunkedKVImpl`: stores the step's raw rows, writes the chunks they
+  complete into the compressed pages, and computes attention, through the
+  implementation `ops/dispatch.py` picks for the device (CUDA, then
+  Triton, on a GPU; PyTorch, `ops/compressed.py`, elsewhere).
+
+Each layer has two caches, both ``[num_blocks, num_kv_heads, rows_per_page,
+head_size + head_size_v]`` (keys then values, vLLM's LBHNC layout): its own
+compressed pages, and the raw pages of its companion layer
+(`raw_cache.py`), registered after the weights are loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_chunked_kv.core import layout
+from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
+from vllm_chunked_kv.backend.raw_cache import PagedRows, attach_raw_pages
+from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings
+
+logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
+
+class ChunkedKVBackend(PagedRows, AttentionBackend):
+    """Capability sheet: what vLLM may ask of CHUNKED_KV."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[ChunkedKVImpl]:
+        return ChunkedKVImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[ChunkedKVMetadataBuilder]:
+        return ChunkedKVMetadataBuilder
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def validate_selector_config(cls, selector) -> list[str]:
+        """Readable reasons why this backend cannot serve `selector` (empty: it can)."""
+        fields = selector._asdict()
+        reasons = cls.validate_configuration(device_capability=None, **fields)
+        if fields.get("kv_cache_dtype") not in (None, *cls.supported_kv_cache_dtypes):
+            reasons.append(f"kv_cache_dtype {fields['kv_cache_dtype']!r} (quantised KV) is not supported")
+        return reasons
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Compressed pages: one stored state per `tokens_per_state` tokens.
+        vLLM also probes with ``block_size=1``; a block size that cannot hold
+        whole slot groups is refused at startup (`startup_checks`)."""
+        cfg = settings.active_config()
+        if spec.block_size % layout.block_multiple(cfg):
+            return spec
+        return replace(spec, tokens_per_state=layout.spec_tokens_per_state(cfg))
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        """Compressed pages hold whole slot groups: multiples of hop."""
+        cfg = settings.active_config_or_none()
+        return [MultipleOf(1 if cfg is None else layout.block_multiple(cfg))]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        """Multiples of hop that suit the settings (`layout.check_block_size`:
+        with dynamic boundaries, the window must outlast the slot lag, so
+        vLLM's default of 16 may not do where 8 does)."""
+        cfg = settings.active_config_or_none()
+        if block_size is None or cfg is None:
+            return super().supports_block_size(block_size)
+        try:
+            layout.check_block_size(cfg, block_size)
+        except ChunkedKVConfigError:
+            return False
+        return True
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """The block size vLLM sets unless --block-size is given (on CUDA,
+        `Platform.update_block_size_for_backend`; on CPU, `startup_checks`)."""
+        cfg = settings.active_config_or_none()
+        return default_block_size if cfg is None else layout.default_block_size(cfg)
+
+
+@dataclass
+class ChunkedKVMetadata:
+    """Per-step request layout, shared by every layer of the group. A uniform
+    decode batch planned on the device keeps its sequence lengths there
+    (`device_seq_lens`; `seq_lens` is then empty): building it waits for
+    nothing, as CUDA graphs need."""
+
+    num_actual_tokens: int
+    query_start: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs] positions computed after this step
+    block_table: torch.Tensor  # [num_reqs, max_blocks] compressed pages
+    block_size: int  # tokens per compressed page
+    device_seq_lens: torch.Tensor | None = None  # [num_reqs] when the decode plan is built on the device
+    grid_shifts: torch.Tensor | None = None  # [num_reqs] each request's grid shift (`align`; None: none),
+    # on the device with `device_seq_lens`, else on the host
+    plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
+
+    def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw, bias: bool) -> StepPlan:
+        """The step's index plan for KV heads with these grid origins; `raw`
+        is the companion group's metadata of the same step; `bias`: whether
+        the attention implementation reads the dense bias."""
+        if origins not in self.plans:
+            if self.device_seq_lens is not None:
+                self.plans[origins] = build_decode_plan(self.device_seq_lens, self.block_table, self.block_size,
+                                                        raw.block_table, raw.block_size, cfg, list(origins), bias=bias,
+                                                        grid_shifts=self.grid_shifts)
+            else:
+                batch = PagedBatch(
+                    query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
+                    block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
+                    grid_shifts=None if self.grid_shifts is None else self.grid_shifts.tolist(),
+                )
+                self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
+        return self.plans[origins]
+
+
+class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
+    """Uniform decode batches (one token per request) are planned on the
+    device when `decode_plan_on_device` says so, and may then be captured in
+    CUDA graphs; every other batch gets the Python plan. With `align`, each
+    request's grid shift comes from its prompt length (`alignment`), kept on
+    the device in a buffer of fixed address (what a captured graph reads)."""
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        model = vllm_config.model_config
+        group = model.get_num_attention_heads(vllm_config.parallel_config) // kv_cache_spec.num_kv_heads
+        impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)  # the layers' choice (cached)
+        self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
+        self.device_decode_plan = decode_plan_on_device(device, impl, self.config)
+        self.shift_buffer = None  # [max_num_seqs] device copy of the grid shifts (`align`)
+        if self.config.align != "none" and torch.device(device).type != "cpu":
+            self.shift_buffer = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.long, device=device)
+        logger.info_once("chunked KV: uniform decode batches are planned %s",
+                         "on the device (CUDA-graph capturable)" if self.device_decode_plan else "in Python")
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """Uniform single-token decode when its plan is built on the device
+        (CUDA devices by default; CPU never captures graphs)."""
+        device = vllm_config.device_config.device if vllm_config.device_config is not None else None
+        cfg = ChunkedKVConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+        on_device = decode_plan_on_device(torch.device(device) if device is not None else torch.device("cpu"), cfg=cfg)
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if on_device else AttentionCGSupport.NEVER
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ChunkedKVMetadata:
+        m = common_attn_metadata
+        uniform_decode = self.device_decode_plan and m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs
+        block_table = m.block_table_tensor[: m.num_reqs]
+        if uniform_decode and block_table.device.type == "cpu":
+            # No graphs to keep shapes for: the decode plan addresses only the
+            # pages the longest request has (a page holds block_size tokens).
+            block_table = block_table[:, : -(-m.max_seq_len // self.block_size)]
+        shifts = None
+        if self.config.align != "none":
+            shifts = self.config.grid_shift(alignment.prompt_lengths(self.vllm_config, m.num_reqs))  # [num_reqs] host
+            if uniform_decode and self.shift_buffer is not None:
+                shifts = self.shift_buffer[: m.num_reqs].copy_(shifts, non_blocking=True)
+        return ChunkedKVMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),  # host tensor: no device wait
+            seq_lens=[] if uniform_decode else m.seq_lens[: m.num_reqs].cpu().tolist(),
+            block_table=block_table,
+            block_size=self.block_size,
+            device_seq_lens=m.seq_lens[: m.num_reqs] if uniform_decode else None,
+            grid_shifts=shifts,
+        )
+
+
+DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
+
+
+def decode_plan_on_device(device: torch.device, impl: str | None = None, cfg: ChunkedKVConfig | None = None) -> bool:
+    """Whether uniform decode batches get the device-side plan
+    (`ops/decode_plan.py`): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
+    ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
+    CPU kernels (`impl` ``cpp``: it takes about half the Python plan's time
+    at batch 8 and a fifth at batch 64, benchmarks/README.md, and the kernel
+    reads only the visible slots; the PyTorch path would gather every
+    addressable one). Never with dynamic boundaries (`cfg`), whose unit
+    writes are planned in Python."""
+    choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
+    if choice not in ("auto", "device", "python"):
+        raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
+    if cfg is not None and cfg.boundaries == "dynamic":
+        return False
+    return choice == "device" or (choice == "auto" and (device.type == "cuda" or impl == "cpp"))
+
+
+class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "a model sliding window": sliding_window is not None,
+            "logit soft-capping": bool(logits_soft_cap),
+            "KV sharing across layers": kv_sharing_target_layer_name is not None,
+            "learned attention sinks": sinks is not None,
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+        }
+        bad = [name for name, present in unsupported.items() if present]
+        if bad:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support " + ", ".join(bad))
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        vllm_config = get_current_vllm_config()
+        self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
+        settings.remember(self.config)
+        self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self._static_forward_context = vllm_config.compilation_config.static_forward_context
+        self._layer_cache: tuple[tuple[int, ...], ChunkedKVConfig] | None = None
+        self._raw_pages = None
+        device = vllm_config.device_config.device if vllm_config.device_config is not None else None
+        impl = dispatch.choose(device, head_size=head_size, group=num_heads // num_kv_heads)
+        self.ops = dispatch.ops(impl)
+        logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Register the raw pages' companion layer: the layer is in vLLM's
+        static forward context by now, and KV-cache specs are collected later."""
+        if self._raw_pages is None:
+            keep = layout.model_forever_raw(self.config, self._total_kv_heads)
+            self._raw_pages = attach_raw_pages(self, self.config, keep, self._static_forward_context)
+
+    def _layer_settings(self, layer) -> tuple[tuple[int, ...], ChunkedKVConfig]:
+        """This layer's grid origin of each local KV head (global head index
+        under TP) and the settings it pools with (`ChunkedKVConfig.for_layer`:
+        its own slot gains when they are per layer)."""
+        if self._layer_cache is None:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            layer_idx = extract_layer_index(layer.layer_name)
+            all_origins = self.config.origins(layer_idx, self._total_kv_heads)
+            heads = global_kv_heads(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                    self.num_kv_heads, self._total_kv_heads)
+            self._layer_cache = tuple(all_origins[h] for h in heads), self.config.for_layer(layer_idx)
+        return self._layer_cache
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: ChunkedKVMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support fused output quantisation")
+        if attn_metadata is None:  # profiling run
+            return output
+        n = attn_metadata.num_actual_tokens
+        query = query[:n].view(n, self.num_heads, self.head_size)  # [n, Hq, D]
+        key = key[:n].view(n, self.num_kv_heads, self.head_size)  # [n, Hkv, D]
+        value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
+        step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, D + Dv]
+        raw_pages = self._raw_pages
+        raw = _step_metadata(raw_pages.layer_name)
+        ops = self.ops
+        origins, layer_cfg = self._layer_settings(layer)
+        plan = attn_metadata.plan(self.config, origins, raw, ops.needs_bias)
+        ops.write_raw(raw_pages.kv_cache, step_rows, raw.slot_mapping[:n], plan.raw_writes)
+        ops.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, layer_cfg, self.head_size)
+        out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
+        if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
+            out = None
+        result = ops.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale, out=out)
+        if result is not out:
+            output[:n].view_as(result).copy_(result)
+        return output
+
+
+def global_kv_heads(rank: int, world: int, local: int, total: int) -> list[int]:
+    """Model-wide index of each KV head a tensor-parallel rank holds: a slice of
+    `local` heads when the heads split across ranks, else (fewer heads than
+    ranks) the one head vLLM replicates on `world / total` consecutive ranks."""
+    if total >= world:
+        return [rank * local + h for h in range(local)]
+    return [rank * total // world]
+
+
+def _step_metadata(layer_name: str):
+    """This step's metadata of another layer (the companion's cache group)."""
+    return get_forward_context().attn_metadata[layer_name]

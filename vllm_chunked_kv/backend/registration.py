@@ -1,0 +1,120 @@
+"""Make `--attention-backend chunked_kv` select our backend, on CUDA and CPU.
+
+Five things, all idempotent:
+
+1. add `CHUNKED_KV` to vLLM's `AttentionBackendEnum` (vLLM's registry);
+2. make that dynamically added member picklable: the engine process is
+   spawned and unpickles the config before it has loaded plugins, so the
+   member reduces to a call that registers the plugin and looks it up by name;
+3. when vLLM builds its config, take the model directory's
+   `chunked_kv_serve.json` if `--additional-config` has no "chunked_kv"
+   section, log where the settings came from, and validate them, so a bad
+   value stops startup with one line (`startup_checks`);
+4. on the CPU platform, whose `get_attn_backend_cls` ignores every selection
+   but CPU_ATTN, route an explicit CHUNKED_KV selection to our class. The
+   default selection (nothing asked) stays CPU_ATTN;
+5. let per-request grid alignment reach prompt lengths and salt the
+   prefix cache per grid (`alignment`).
+
+The patches go through `compat`, which also warns once when the installed
+vLLM is not the release this package was tested with.
+"""
+
+from __future__ import annotations
+
+from vllm_chunked_kv.backend import BACKEND_NAME, BACKEND_PATH, alignment, compat, selected
+
+
+def _lookup_member(name: str):
+    """Unpickle hook: register the plugin in this process, return the member."""
+    register_backend()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name]
+
+
+def register_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as vllm_register
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        vllm_register(BACKEND_NAME, BACKEND_PATH)
+    compat.make_enum_member_picklable(AttentionBackendEnum[BACKEND_NAME], _lookup_member)
+    _route_cpu_selection()
+    _validate_config_at_startup()
+    alignment.install()
+    from vllm_chunked_kv.backend.startup_checks import install_excepthook
+
+    install_excepthook()
+
+
+def _route_cpu_selection() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return  # CUDA honours any selection whose validate_configuration passes
+    from vllm.platforms.cpu import CpuPlatform
+
+    def make(original):
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if selected_backend is not None and getattr(selected_backend, "name", None) == BACKEND_NAME:
+                from vllm_chunked_kv.backend.attention import ChunkedKVBackend
+
+                reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
+                if reasons:
+                    raise ValueError(f"{BACKEND_NAME} cannot serve this model: " + "; ".join(reasons))
+                return BACKEND_PATH
+            return original(cls, selected_backend, attn_selector_config, num_heads)
+
+        return get_attn_backend_cls
+
+    compat.patch_classmethod(CpuPlatform, "get_attn_backend_cls", make)
+
+
+def _take_serve_file(vllm_config) -> str:
+    """Put the model directory's `chunked_kv_serve.json` section into vLLM's
+    additional_config when --additional-config has no "chunked_kv" section (so
+    every process and the metrics read the same); returns where the settings
+    come from (`serve_file.settings_source`)."""
+    from vllm_chunked_kv.core.config import ADDITIONAL_CONFIG_KEY
+    from vllm_chunked_kv.core.serve_file import settings_source
+
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    section, source = settings_source(vllm_config.additional_config, model)
+    if section is not None:
+        if not isinstance(vllm_config.additional_config, dict):
+            vllm_config.additional_config = {}
+        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = section
+    return source
+
+
+def _log_settings_once(source: str, cfg) -> None:
+    import json
+
+    from vllm.logger import init_logger
+
+    settings = {k: v for k, v in cfg.model_dump().items() if v is not None}
+    init_logger("vllm.chunked_kv.config").info_once(  # under "vllm": vLLM's handler prints it
+        "chunked_kv: %s: %s", source, json.dumps(settings))
+
+
+def _validate_config_at_startup() -> None:
+    """Check our settings whenever vLLM finishes a VllmConfig (every process)."""
+    from vllm.platforms import current_platform
+
+    def make(original):
+        def check_and_update_config(cls, vllm_config) -> None:
+            original(cls, vllm_config)
+            if selected(vllm_config):
+                from vllm_chunked_kv.core.config import ChunkedKVConfig
+                from vllm_chunked_kv.backend.startup_checks import check_engine_support
+
+                compat.check_version()
+                source = _take_serve_file(vllm_config)
+                cfg = ChunkedKVConfig.from_vllm_config(vllm_config)
+                _log_settings_once(source, cfg)
+                check_engine_support(cfg, vllm_config)
+
+        return check_and_update_config
+
+    compat.patch_classmethod(type(current_platform), "check_and_update_config", make)

@@ -1,1 +1,0 @@
-"""Helpers for tests and examples: tiny models built locally, no model hub."""
