@@ -1,0 +1,118 @@
+"""The shipped adapter's card, `models/adapters/smollm2-135m/ADAPT.md`, is rendered from the files beside it.
+
+- ADAPT.md is exactly what `render_card` makes now of adapter.json, train_log.jsonl,
+  served.json and chunked_kv_serve.json, so the page cannot drift from them
+  (regenerate: `python -m vllm_chunked_kv.adapt.report --card DIR`);
+- every figure of served.json appears in it, each retrieval figure with its
+  interval and sample count;
+- every figure of served.json is its result file's, rounded (served.json
+  invents nothing), and every run's record folder exists;
+- `--check` says whether a card is up to date, without writing it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_chunked_kv.adapt import report
+
+ROOT = Path(__file__).resolve().parents[2]
+ADAPTER = ROOT / "vllm_chunked_kv" / "models" / "adapters" / "smollm2-135m"
+SERVED = json.loads((ADAPTER / "served.json").read_text())
+
+
+def numbers(node):
+    """Every number under a served.json node (booleans are not figures)."""
+    if isinstance(node, bool):
+        return
+    if isinstance(node, (int, float)):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from numbers(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from numbers(value)
+
+
+def shown(value) -> set[str]:
+    """The ways a figure may be written on the page: 1024 as "1,024", 12.8 as "12.8" or "12.80"."""
+    if isinstance(value, int):
+        return {f"{value:,}", str(value)}
+    return {str(value), f"{value:.1f}", f"{value:.2f}", f"{value:.3f}"} - {f"{value:.0f}"}
+
+
+def test_the_shipped_card_is_what_the_generator_renders_now():
+    assert (ADAPTER / "ADAPT.md").read_text() == report.render_card(ADAPTER), (
+        "ADAPT.md is out of date: run `python -m vllm_chunked_kv.adapt.report --card "
+        "vllm_chunked_kv/models/adapters/smollm2-135m`")
+
+
+def test_every_served_figure_appears_on_the_card():
+    card = (ADAPTER / "ADAPT.md").read_text()
+    figures = list(numbers(SERVED["retrieval"])) + list(numbers(SERVED["perplexity"])) + list(numbers(SERVED["runs"]))
+    assert len(figures) > 40
+    missing = [v for v in figures if not any(s in card for s in shown(v))]
+    assert not missing, missing
+    for row in SERVED["retrieval"]:
+        assert f"{row['percent']:.1f} [{row['ci'][0]:.1f}, {row['ci'][1]:.1f}] | {row['n']:,} |" in card, row["name"]
+        assert f"{row['gap']:.1f} [{row['gap_ci'][0]:.1f}, {row['gap_ci'][1]:.1f}]" in card, row["name"]
+        assert row["command"] in card and row["result"] in card
+    for key in ("base_full_attention", "chunked", "default_backend"):
+        assert SERVED["perplexity"][key]["command"] in card and SERVED["perplexity"][key]["result"] in card
+    for run in SERVED["runs"]:
+        assert run["command"] in card and run["record"] in card
+
+
+def _pct(x: float) -> float:
+    return round(100 * x, 1)
+
+
+@pytest.mark.parametrize("row", SERVED["retrieval"], ids=lambda r: r["name"])
+def test_retrieval_figures_are_their_result_files(row):
+    scan = json.loads((ROOT / row["result"]).read_text())
+    assert row["percent"] == _pct(scan["accuracy"]) and row["n"] == scan["probes"]
+    assert row["ci"] == [_pct(c) for c in scan["accuracy_ci"]]
+    assert row["gap"] == _pct(scan["gap"]["value"]) and row["gap_ci"] == [_pct(c) for c in scan["gap"]["ci"]]
+    assert row["by_phase"] == [_pct(scan["by_phase"][str(p)]["accuracy"]) for p in range(4)]
+    assert row["misses"] == scan["probes"] - scan["correct"]
+    assert (row["reordered"], row["distractor"]) == (scan["misses_reordered"], scan["misses_distractor"])
+    assert scan["window"] == (512 if row["needle_back"] == "517-714" else 128)  # needles placed beyond that window
+    assert (scan["served"] == "default backend") == (row["name"] == "default backend")
+
+
+def test_perplexity_figures_are_their_result_files():
+    ppl = SERVED["perplexity"]
+
+    def mode(fig, name):
+        rows = json.loads((ROOT / fig["result"]).read_text())["rows"]
+        return next(r for r in rows if r["mode"] == name)
+
+    base = mode(ppl["base_full_attention"], "default")
+    chunked, default = mode(ppl["chunked"], "served"), mode(ppl["default_backend"], "default")
+    assert ppl["base_full_attention"]["value"] == round(base["ppl"], 2)
+    assert ppl["chunked"]["value"] == round(chunked["ppl"], 2)
+    assert ppl["default_backend"]["value"] == round(default["ppl"], 2)
+    assert ppl["ratio"] == round(chunked["ppl"] / base["ppl"], 3)
+    assert ppl["chunked"]["far_repeats"] == round(chunked["ppl_by_repeat"]["far"]["ppl"], 2)
+    assert ppl["default_backend"]["far_repeats"] == round(default["ppl_by_repeat"]["far"]["ppl"], 2)
+    assert ppl["far_repeat_tokens"] == chunked["ppl_by_repeat"]["far"]["tokens"]
+
+
+def test_every_run_has_its_record():
+    for run in SERVED["runs"]:
+        assert (ROOT / run["record"]).is_dir(), run["record"]
+    assert SERVED["runs"][-1]["steps"] == json.loads((ADAPTER / "adapter.json").read_text())["options"]["steps"]
+
+
+def test_check_reports_a_stale_card_and_writes_nothing(tmp_path, capsys):
+    for name in report.CARD_INPUTS:
+        (tmp_path / name).write_bytes((ADAPTER / name).read_bytes())
+    assert report.main(["--card", str(tmp_path), "--check"]) == 1
+    assert not (tmp_path / "ADAPT.md").exists() and "out of date" in capsys.readouterr().out
+    assert report.main(["--card", str(tmp_path)]) == 0
+    assert (tmp_path / "ADAPT.md").read_text() == (ADAPTER / "ADAPT.md").read_text()
+    assert report.main(["--card", str(tmp_path), "--check"]) == 0
