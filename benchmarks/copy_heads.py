@@ -4,7 +4,7 @@ For an adapted model (a directory with `chunked_kv_serve.json`), this builds
 `adapt`'s retrieval rows (`adapt.data.retrieval_row`, one question each, the
 asked code at least `--min-distance` tokens before its answer, so only
 pooled rows hold it) and runs them teacher-forced under the chunked
-attention the model is served with (`demo.attention`, the reference visible
+attention the model is served with (`hf.attention`, the reference visible
 set). At every answer digit it measures, for each layer and KV head, the
 attention probability on the code's tokens: each extended row (raw token or
 pooled chunk) counts with the share of its tokens that belong to the code,

@@ -3,6 +3,7 @@
 #
 #   scripts/setup.sh demo [ARGS]   install (cpu + demo + models extras) and run `vllm-chunked-kv demo ARGS`
 #   scripts/setup.sh test [ARGS]   install (cpu + test extras, which include demo and models; Prometheus) and run pytest ARGS
+#   scripts/setup.sh test --fast [ARGS]   the same, fast tier only (-m "not slow": under 10 minutes on 2 cores)
 #   scripts/setup.sh install       install only (cpu + demo + models extras: the backend, scanner, demo, models fetch)
 #
 # Everything goes into a project-local virtualenv (.venv, or $CHUNKED_KV_VENV).
@@ -60,12 +61,15 @@ fi
 
 case "$mode" in
     demo) step "running: vllm-chunked-kv demo $*"; exec "$VENV/bin/vllm-chunked-kv" demo "$@" ;;
-    # Two pytest-xdist workers, one test file each at a time (module fixtures
-    # are built once): most tests wait on one engine process, so two keep both
-    # cores busy. CHUNKED_KV_TEST_WORKERS=0 runs everything in one process.
+    # Two pytest-xdist workers, one group at a time each (a test file, or the
+    # group its tests name: tests/conftest.py), so module fixtures are built
+    # once: most tests wait on one engine process, so two keep both cores
+    # busy. CHUNKED_KV_TEST_WORKERS=0 runs everything in one process.
     test) workers=${CHUNKED_KV_TEST_WORKERS:-2}
-          step "running: pytest -n $workers --dist loadfile $*"
-          exec "$VENV/bin/python" -m pytest -n "$workers" --dist loadfile "$@" ;;
+          tier=()
+          if [ "${1:-}" = --fast ]; then shift; tier=(-m "not slow"); fi
+          step "running: pytest -n $workers --dist loadgroup ${tier[*]} $*"
+          exec "$VENV/bin/python" -m pytest -n "$workers" --dist loadgroup "${tier[@]}" "$@" ;;
     install) step "done: source $VENV/bin/activate" ;;
-    *) echo "usage: scripts/setup.sh demo|test|install [ARGS]" >&2; exit 2 ;;
+    *) echo "usage: scripts/setup.sh demo|test [--fast]|install [ARGS]" >&2; exit 2 ;;
 esac

@@ -23,6 +23,8 @@ from vllm_chunked_kv.commands.main import main
 from vllm_chunked_kv.core.serve_file import SERVE_FILE, read_serve_config
 from vllm_chunked_kv.runner.engine import generate
 
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
 SETTINGS = {"chunked_kv": {"chunk_size": 4, "window": 16, "sink_tokens": 4, "stagger": "layers"}}
 
 

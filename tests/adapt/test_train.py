@@ -40,6 +40,8 @@ from vllm_chunked_kv.adapt import lora, train
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from tests.adapt.conftest import tiny_byte_llama
 
+pytestmark = pytest.mark.slow
+
 CFG = ChunkedKVConfig(chunk_size=4, window=64, sink_tokens=4, stagger="heads")
 OPTS = dict(rows=3, full_rows=1, text_rows=1, length=1024, rank=4, alpha=8, eval_every=0, checkpoint_every=2)
 

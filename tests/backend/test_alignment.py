@@ -1,4 +1,4 @@
-"""Contract of `integration.alignment` (what `align: prompt_end` needs from vLLM):
+"""Contract of `backend.alignment` (what `align: prompt_end` needs from vLLM):
 
 - a request's cache salt gains its grid shift, keeping the user's salt, so
   requests of different shifts never share prefix-cache pages (the engine

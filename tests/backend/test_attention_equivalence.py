@@ -13,7 +13,7 @@ import pytest
 from vllm_chunked_kv.runner.engine import generate
 from vllm_chunked_kv.models.tiny import vocabulary
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 FULL_WINDOW = json.dumps({"chunked_kv": {"window": 1024}})
 

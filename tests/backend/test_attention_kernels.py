@@ -19,6 +19,8 @@ import pytest
 from vllm_chunked_kv.runner.engine import generate
 from vllm_chunked_kv.models.tiny import vocabulary
 
+pytestmark = pytest.mark.engine
+
 CONFIGS = {
     "boundary-stagger": {"chunk_size": 4, "window": 8, "sink_tokens": 2, "mitigation": "boundary", "stagger": "heads"},
     "overlap-key_norm": {"chunk_size": 4, "window": 6, "sink_tokens": 1, "mitigation": "overlap",

@@ -16,7 +16,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.runner.engine import generate
 from vllm_chunked_kv.models.tiny import vocabulary
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 WINDOW = 16
 MAX_TOKENS = 6

@@ -19,7 +19,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.backend.raw_cache import kept_tail_rows
 from vllm_chunked_kv.runner.engine import generate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 MAX_MODEL_LEN = 4096
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, block_size=32, max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20)

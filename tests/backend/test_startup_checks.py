@@ -1,4 +1,4 @@
-"""Contract of `integration.startup_checks.check_engine_support` on settings
+"""Contract of `backend.startup_checks.check_engine_support` on settings
 it refuses without starting an engine: `align` with vLLM's micro-batching
 (the builder reads prompt lengths per whole batch) is one line naming the
 field; the same settings without micro-batching pass. Dynamic boundaries

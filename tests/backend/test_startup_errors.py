@@ -11,7 +11,7 @@ import pytest
 
 from vllm_chunked_kv.runner.server import run_serve_expecting_failure
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 BAD = {
     "unknown key": ({"chunk_sizes": 4}, "unknown key 'chunk_sizes'"),

@@ -18,7 +18,7 @@ import pytest
 
 from vllm_chunked_kv.runner.server import run_serve_expecting_failure
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 CHUNKED = ["--attention-backend", "chunked_kv"]
 CASES = {

@@ -87,6 +87,7 @@ def test_adjacent_swap(bench):
     assert bench.adjacent_swap("7313", "731") is None and bench.adjacent_swap("7313", "7314") is None
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ["--enforce-eager", "--dtype", "float32", "--max-model-len",

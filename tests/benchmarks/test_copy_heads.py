@@ -1,6 +1,6 @@
 """Contract of benchmarks/copy_heads.py, on a tiny random byte-level Llama.
 
-- The observer hook of `demo.attention.chunked_attention` runs in every
+- The observer hook of `hf.attention.chunked_attention` runs in every
   layer, and `span_mass` fills every (layer, KV head) cell: a span of every
   position gets mass 1 (all attention lands on rows made of span tokens,
   pooled or raw), an empty span 0, a span in between a value strictly
@@ -27,6 +27,8 @@ import torch
 from tests.adapt.conftest import ByteTokenizer, tiny_byte_llama
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.hf.attention import chunked_attention
+
+pytestmark = pytest.mark.slow
 
 CFG = ChunkedKVConfig(chunk_size=4, window=16, sink_tokens=4, stagger="layers")
 

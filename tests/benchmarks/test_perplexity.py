@@ -55,6 +55,8 @@ def _transformers_nll(model_dir, documents) -> tuple[float, float]:
     return nll.mean().item(), nll[:, BEYOND:].mean().item()
 
 
+@pytest.mark.slow
+@pytest.mark.engine
 def test_perplexity_matches_transformers_and_full_attention(ppl, tiny_llama, documents):
     kw = dict(documents=documents, dtype="float32", beyond=BEYOND, engine={"kv_cache_memory_bytes": 64 << 20})
     default = ppl.perplexity(tiny_llama, None, **kw)

@@ -1,8 +1,8 @@
-"""Contract of `benchmarks/soak.py`, and the CI soak: 60 s of load per mitigation.
+"""Contract of `benchmarks/soak.py`, and the CI soak: 30 s of load per mitigation.
 
 Against a real `vllm serve` of the tiny Llama with `chunked_kv` (chunk 4,
 window 16, 4 sinks) under each mitigation and stagger, 8 streams with 30%
-client aborts and prompts of 32-600 tokens for 60 s: no request fails, the
+client aborts and prompts of 32-600 tokens for 30 s: no request fails, the
 server is idle afterwards (no running request, KV cache usage back to 0),
 some requests completed and some were aborted, and the fixed greedy probes
 answer the same before and after the load. The memory samples come from
@@ -40,7 +40,7 @@ def test_soak_leaves_the_server_correct_and_idle(mode, tiny_llama, load_benchmar
     args = ["--attention-backend", "chunked_kv", "--additional-config", json.dumps({"chunked_kv": settings})]
     with VllmServer(tiny_llama, args) as server:
         options = soak.parse_args([
-            "--base-url", server.base_url, "--duration", "60", "--concurrency", "8", "--abort", "0.3",
+            "--base-url", server.base_url, "--duration", "30", "--concurrency", "8", "--abort", "0.3",
             "--lengths", "32,200,600", "--max-tokens", "24", "--pid", str(server.proc.pid), "--sample-every", "10",
             "--settle", "3", "--timeout", "120", "--words", "250",
         ])

@@ -34,6 +34,7 @@ def test_context_beyond_the_model_is_refused(tiny_llama):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_model_and_dtype_end_to_end(tiny_llama, tmp_path):
     out = tmp_path / "throughput.json"
     settings = '{"chunk_size": 4, "window": 32, "sink_tokens": 4}'

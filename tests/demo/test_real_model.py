@@ -35,6 +35,7 @@ def test_modes_cover_every_mitigation_and_the_adapted_rows(tmp_path):
     assert all("," not in m[0] for m in real_model.modes_for(tmp_path))  # --modes splits on commas
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_scan_of_a_served_model(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ["--enforce-eager", "--dtype", "float32", "--max-model-len",

@@ -22,6 +22,8 @@ import torch
 from vllm_chunked_kv.demo import train as train_mod
 from vllm_chunked_kv.tasks.kv_retrieval import VOCAB
 
+pytestmark = pytest.mark.slow
+
 SCALE = 0.01
 
 

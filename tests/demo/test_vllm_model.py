@@ -23,6 +23,8 @@ import pytest
 from vllm_chunked_kv.demo.evaluate import DEFAULT_MODEL_DIR, load_model, predict
 from vllm_chunked_kv.tasks.kv_retrieval import is_correct, make_prompt
 
+pytestmark = pytest.mark.engine
+
 NUM_PROMPTS = 16
 
 _RUNNER = r"""

@@ -1,4 +1,4 @@
-"""Contract of the demo's transformers attention hook (`demo.attention`).
+"""Contract of the transformers-side chunked attention hook (`hf.attention`).
 
 - With compression, a batched forward equals the reference's
   `reference_chunked_attention` applied to each sequence alone (the batch

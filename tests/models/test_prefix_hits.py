@@ -38,7 +38,7 @@ import pytest
 
 from .engine import run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.download]
 
 WINDOW, CHUNK = 32, 4
 CONFIGS = {

@@ -7,8 +7,9 @@
   the adapter, one set per layer: each unequal and summing to 1), and
   differs from the base model only in the attention projections (the
   merged adapter).
-- vLLM serves it with CHUNKED_KV in those settings (the backend is seen
-  running) and it answers.
+- `--attention-backend chunked_kv` alone serves it with CHUNKED_KV in those
+  settings: the startup log names its `chunked_kv_serve.json`, and the
+  greedy answer equals the explicit `--additional-config` form's.
 - Under the chunked attention it was adapted for, it retrieves prose codes
   from before the window that the base model cannot (teacher-forced probe on
   16 held-out needles, `adapt.probe`): the base model gets none, the adapted
@@ -30,7 +31,7 @@ from vllm_chunked_kv.runner.engine import generate
 
 from .engine import SERVE_DTYPE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.download, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +65,14 @@ def test_adapted_directory(adapted_dir, smollm2_dir):
 
 def test_vllm_serves_it_as_adapted(adapted_dir):
     serve = json.loads((adapted_dir / SERVE_FILE).read_text())
-    engine = {"attention_backend": serve["attention_backend"], "additional_config": serve["additional_config"],
-              "dtype": SERVE_DTYPE, "kv_cache_memory_bytes": 256 << 20}
-    result = generate(str(adapted_dir), engine, [[list(range(1000, 1300))]], max_tokens=4)
-    assert len(result["outputs"][0][0]) == 4 and "Using CHUNKED_KV attention backend" in result["log"]
+    engine = {"attention_backend": serve["attention_backend"], "dtype": SERVE_DTYPE, "kv_cache_memory_bytes": 256 << 20}
+    prompt = [[list(range(1000, 1300))]]
+    alone = generate(str(adapted_dir), engine, prompt, max_tokens=4)
+    explicit = generate(str(adapted_dir), {**engine, "additional_config": serve["additional_config"]}, prompt,
+                        max_tokens=4)
+    assert "Using CHUNKED_KV attention backend" in alone["log"]
+    assert f"chunked_kv: settings from {adapted_dir / SERVE_FILE} (" in alone["log"]
+    assert len(alone["outputs"][0][0]) == 4 and alone["outputs"] == explicit["outputs"]
 
 
 def test_adapted_retrieves_what_the_base_cannot(adapted_dir, smollm2_dir):

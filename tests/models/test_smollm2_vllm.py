@@ -52,7 +52,7 @@ from vllm_chunked_kv.serving.kv_footprint import footprint, uncompressed_bytes_p
 from .engine import run
 from .prompts import CAPITAL_QUESTION, make_rounds
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]  # three engine runs share one fixture
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.download, pytest.mark.timeout(5400)]
 
 MAX_MODEL_LEN = 1024
 STEP_TOKENS = 256  # max_num_batched_tokens: the 700-token prompt takes 3+ steps

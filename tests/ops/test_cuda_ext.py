@@ -149,6 +149,7 @@ def _run_all(commands: list[list[str]], timeout: int = 300) -> list[subprocess.C
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernels_compile_with_nvcc(tmp_path):
     from torch.utils import cpp_extension
@@ -174,6 +175,7 @@ def test_kernels_compile_with_nvcc(tmp_path):
                   f"{spills} bytes spilled")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None, reason="needs g++ and the CUDA headers")
 def test_binding_compiles_against_torch_headers(tmp_path):
     torch_include = Path(torch.__file__).parent / "include"
@@ -265,6 +267,7 @@ def test_emulated_cache_layouts(emulated, monkeypatch, layout):
     assert run_cache_layout(monkeypatch, layout, "cuda") > 4
 
 
+@pytest.mark.slow
 def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):
     """The emulation is strict enough to fail a race: the attention kernel
     without the barrier between its logits and its softmax fails the schedule."""

@@ -53,6 +53,7 @@ def test_steps_equal_reference(triton_ops, name, group):
         ("overlap", dict(group=4, dtype=torch.bfloat16, tol=3e-2)),
     ],
 )
+@pytest.mark.slow
 def test_shapes_tiles_splits_and_dtypes(triton_ops, name, options):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     if cfg.keep_boundary and options.get("num_kv_heads") == 3:
@@ -75,6 +76,7 @@ def test_split_counts_are_bucketed(triton_ops):
         ("bf16", dict(chunk_size=4, window=128, mitigation="stagger"), 4, 16, 1, 90),  # prefill tile
     ],
 )
+@pytest.mark.slow
 def test_attention_compiles_for_a_gpu(compile_for_gpu, dtype, settings, group, tile_m, splits, arch):
     """The attention kernel as `attend` launches it compiles for sm_80 / sm_90 (not run)."""
     _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, arch, head=128)
@@ -83,6 +85,7 @@ def test_attention_compiles_for_a_gpu(compile_for_gpu, dtype, settings, group, t
 @pytest.mark.parametrize("head, tile_m, arch", [
     (64, 16, 80), (64, 16, 90), (256, 16, 80), (256, 16, 90), (256, 1, 90),  # 128: the test above
 ])
+@pytest.mark.slow
 def test_attention_compiles_at_every_head_size(compile_for_gpu, head, tile_m, arch):
     """bf16 operands at head sizes 64 and 256 (128 above), GQA 4, prefill tiles (the largest) and a
     decode tile, sm_80 and sm_90, within the shared memory of both."""

@@ -18,7 +18,7 @@ import pytest
 from vllm_chunked_kv.commands.main import main
 from vllm_chunked_kv.runner.server import VllmServer
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # VllmServer allowlists the project's plugins itself
 ARGS = ["--kv-haystack-len", "64", "--kv-records", "8", "--prompts", "4", "--per-phase", "8", "--max-tokens", "2",

@@ -1,6 +1,6 @@
 """Contract of docker/ that holds without Docker: the CUDA image is pinned
 to the vLLM release pyproject's cuda extra pins; every image tag is pinned;
-both images and the project's launcher (`local_server`) allow exactly the
+both images and the project's launcher (`runner/server.py`) allow exactly the
 plugins pyproject declares; the build context
 filters keep what the images install; the compose file's mounts, build
 files, variables and Prometheus target line up; the shipped chunked_kv

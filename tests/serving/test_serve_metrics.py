@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.runner.server import VllmServer
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SECTION = {"chunk_size": 8, "mitigation": "overlap", "window": 32}
 CFG = ChunkedKVConfig.from_additional_config({"chunked_kv": SECTION})

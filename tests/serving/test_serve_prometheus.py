@@ -28,7 +28,7 @@ from vllm_chunked_kv.runner.server import VllmServer
 from .dashboard_queries import dashboard_exprs, rule_exprs, template_queries
 from .prometheus_server import PrometheusServer
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SECTION = {"chunk_size": 16, "mitigation": "overlap", "window": 32}
 HOP = ChunkedKVConfig.from_additional_config({"chunked_kv": SECTION}).hop  # 8

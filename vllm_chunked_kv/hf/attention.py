@@ -1,4 +1,6 @@
-"""Chunked attention inside transformers' Llama, for training and evaluating the demo model.
+"""Chunked attention inside a transformers model (Llama-style decoders): what
+`adapt` and the demo train and evaluate with, and what the perplexity and
+copy-head benchmarks and the reference tests measure through.
 
 Registers an attention function named `chunked_kv` with transformers'
 `AttentionInterface`. The compression itself is the reference's
@@ -17,8 +19,8 @@ the gain-weighted sum of its chunk and gradients reach the logits; raw rows
 are untouched. This equals the reference's gated pooling with those weights
 as `slot_gains`.
 
-Sequences must be unpadded and start at position 0 (true for the demo's
-training batches and its equal-length evaluation batches). With per-request
+Sequences must be unpadded and start at position 0 (true for the training
+batches of `adapt` and the demo and their equal-length evaluation batches). With per-request
 grid alignment (`align`), `grid_shifts` gives each batch row's shift
 (`ChunkedKVConfig.grid_shift` of its prompt length).
 """
