@@ -4,7 +4,8 @@ the preset is written as the values it sets), and
 `settings_source` decides where a server's settings come from: an explicit
 "chunked_kv" section of --additional-config wins over the model directory's
 file (and says the file is not read), the file is taken when there is no
-section, and with neither the defaults run; each case says so in one line.
+section (and named again when a process reads the config it was put into),
+and with neither the defaults run; each case says so in one line.
 A file that cannot be read stops startup with a one-line error naming it."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import json
 import pytest
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
-from vllm_chunked_kv.core.serve_file import (SERVE_FILE, read_serve_config, serve_settings, settings_source,
-                                             write_serve_file)
+from vllm_chunked_kv.core.serve_file import (SERVE_FILE, TAKEN_FROM, read_serve_config, serve_settings,
+                                             settings_source, write_serve_file)
 
 SETTINGS = dict(chunk_size=4, window=24, sink_tokens=2, mitigation="boundary")
 
@@ -32,10 +33,13 @@ def test_written_file_reads_back_as_the_same_settings(model_dir):
 
 
 def test_the_file_is_taken_without_a_section(model_dir):
+    from_file = f'settings from {model_dir / SERVE_FILE} (no "chunked_kv" section in --additional-config)'
     for additional in (None, {}, {"other_plugin": 1}):
-        section, source = settings_source(additional, str(model_dir))
-        assert serve_settings(ChunkedKVConfig(**section)) == serve_settings(ChunkedKVConfig(**SETTINGS))
-        assert source == f'settings from {model_dir / SERVE_FILE} (no "chunked_kv" section in --additional-config)'
+        additions, source = settings_source(additional, str(model_dir))
+        assert serve_settings(ChunkedKVConfig(**additions["chunked_kv"])) == serve_settings(ChunkedKVConfig(**SETTINGS))
+        assert additions[TAKEN_FROM] == str(model_dir / SERVE_FILE) and source == from_file
+        # a process that reads the config again (vLLM's engine core) still names the file
+        assert settings_source({**(additional or {}), **additions}, str(model_dir)) == (None, from_file)
 
 
 def test_an_explicit_section_wins(model_dir):

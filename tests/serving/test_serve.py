@@ -6,24 +6,34 @@ hits the prefix cache (docs/prefix-caching.md) as vLLM's own counters show
 it: `usage.prompt_tokens_details.cached_tokens` and
 `vllm:prefix_cache_hits_total`, with the same completion; two prompts
 sharing a system prompt (its first 300 tokens) after it both hit the shared
-part (the first prompt's step kept its spare raw pages: the pool had room)."""
+part (the first prompt's step kept its spare raw pages: the pool had room).
+
+The model directory carries its settings in `chunked_kv_serve.json` and the
+command line gives none: the worker builds its layers with the file's window,
+the API server's metrics report it, and every process that logs where the
+settings came from names the file."""
 
 from __future__ import annotations
 
 import random
 import re
+import shutil
 import urllib.request
 
 import pytest
 
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.core.serve_file import SERVE_FILE, write_serve_file
 from vllm_chunked_kv.runner.server import VllmServer
 
 pytestmark = pytest.mark.server
 
 
-def test_serve_with_chunked_kv(tiny_llama):
-    with VllmServer(tiny_llama, ["--attention-backend", "chunked_kv", "--enable-prompt-tokens-details",
-                                 "--additional-config", '{"chunked_kv": {"chunk_size": 4, "window": 64}}']) as server:
+def test_serve_with_chunked_kv(tiny_llama, tmp_path):
+    model_dir = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_llama, model_dir)
+    write_serve_file(model_dir, ChunkedKVConfig(chunk_size=4, window=64))
+    with VllmServer(model_dir, ["--attention-backend", "chunked_kv", "--enable-prompt-tokens-details"]) as server:
         client = server.openai_client()
         model = client.models.list().data[0].id
         completion = client.completions.create(model=model, prompt="w1 w2 w3 w4", max_tokens=4, temperature=0)
@@ -55,3 +65,6 @@ def test_serve_with_chunked_kv(tiny_llama):
     # The layer was built in the spawned engine/worker process, not the API server.
     assert not any("APIServer" in line for line in worker_lines)
     assert re.search(r'"window": 64', worker_lines[0])
+    assert re.search(r'^vllm_chunked_kv_window_tokens\{.*\} 64\.0$', metrics, re.M)
+    sources = [line for line in log.splitlines() if "chunked_kv: settings from" in line]
+    assert sources and all(f"settings from {model_dir / SERVE_FILE} (" in line for line in sources), sources

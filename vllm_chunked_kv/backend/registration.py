@@ -76,15 +76,14 @@ def _take_serve_file(vllm_config) -> str:
     additional_config when --additional-config has no "chunked_kv" section (so
     every process and the metrics read the same); returns where the settings
     come from (`serve_file.settings_source`)."""
-    from vllm_chunked_kv.core.config import ADDITIONAL_CONFIG_KEY
     from vllm_chunked_kv.core.serve_file import settings_source
 
     model = getattr(getattr(vllm_config, "model_config", None), "model", None)
-    section, source = settings_source(vllm_config.additional_config, model)
-    if section is not None:
+    additions, source = settings_source(vllm_config.additional_config, model)
+    if additions is not None:
         if not isinstance(vllm_config.additional_config, dict):
             vllm_config.additional_config = {}
-        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = section
+        vllm_config.additional_config.update(additions)
     return source
 
 

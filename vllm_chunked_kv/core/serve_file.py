@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from vllm_chunked_kv.core.config import ADDITIONAL_CONFIG_KEY, ChunkedKVConfig, ChunkedKVConfigError
 
 SERVE_FILE = "chunked_kv_serve.json"
+TAKEN_FROM = "chunked_kv_serve_file"  # additional_config key: the serve file its section came from
 
 
 def serve_settings(cfg: ChunkedKVConfig) -> dict:
@@ -65,23 +66,26 @@ def serve_arguments(model_dir: Path) -> list[str]:
 
 
 def settings_source(additional_config: Mapping | None, model: str | None) -> tuple[dict | None, str]:
-    """Where a server's chunked_kv settings come from: ``(section, source)``.
+    """Where a server's chunked_kv settings come from: ``(additions, source)``.
 
     An explicit "chunked_kv" section of `--additional-config` wins; else the
     section of the model directory's serve file; else none (the defaults).
-    `section` is the serve file's section when it is the source (the caller
-    puts it into vLLM's additional_config), else None; `source` is one line
-    for the startup log."""
+    `additions` is what the caller puts into vLLM's additional_config when the
+    file is the source: its section, and under `TAKEN_FROM` the file's path,
+    so that a process that reads the config again (vLLM's engine core does)
+    still names the file; else None. `source` is one line for the startup log."""
     path = Path(str(model)) / SERVE_FILE if model else None
     has_file = path is not None and path.is_file()
-    explicit = isinstance(additional_config, Mapping) and ADDITIONAL_CONFIG_KEY in additional_config
-    if explicit:
+    from_file = f'settings from {path} (no "{ADDITIONAL_CONFIG_KEY}" section in --additional-config)'
+    if isinstance(additional_config, Mapping) and ADDITIONAL_CONFIG_KEY in additional_config:
+        if has_file and additional_config.get(TAKEN_FROM) == str(path):
+            return None, from_file
         ignored = f" ({path} is not read: the explicit section wins)" if has_file else ""
         return None, f"settings from --additional-config{ignored}"
     if not has_file:
-        return None, "no \"chunked_kv\" section in --additional-config; running with the defaults"
+        return None, f'no "{ADDITIONAL_CONFIG_KEY}" section in --additional-config; running with the defaults'
     try:
         section = json.loads(path.read_text())["additional_config"][ADDITIONAL_CONFIG_KEY]
     except (ValueError, KeyError, TypeError) as exc:
         raise ChunkedKVConfigError(None, f"cannot read {path}: {exc!r}") from None
-    return dict(section), f"settings from {path} (no \"chunked_kv\" section in --additional-config)"
+    return {ADDITIONAL_CONFIG_KEY: dict(section), TAKEN_FROM: str(path)}, from_file
