@@ -14,7 +14,7 @@ averaged over the head's query heads, the answer digits and the rows.
 The heads with the most mass are the ones that copy the code out of the
 compressed cache; their grid origins (`ChunkedKVConfig.origins`) decide
 which neighbouring digits share a pooled row for them
-(docs/adapt.md, "Why it stops near 72%"). `mass_by_origin` sums the mass
+(docs/experiments/adapt.md). `mass_by_origin` sums the mass
 of the heads on each grid origin, over `--origin-layers` (all by default;
 the copying layers 17-23 of SmolLM2 in benchmarks/README.md).
 

@@ -14,7 +14,7 @@
   from before the window that the base model cannot (teacher-forced probe on
   16 held-out needles, `adapt.probe`): the base model gets none, the adapted
   one at least a quarter. The served numbers at 1,024 needles are in
-  benchmarks/README.md.
+  the adapter's ADAPT.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The adaptation loop: LoRA on the attention projections (optionally the MLPs), distilled from the model's own full attention.
 
-Each step (docs/adapt.md has the reasons and what was tried):
+Each step (docs/adapt.md has the reasons, docs/experiments/adapt.md what was tried):
 
 - a batch of `rows` rows of `length` tokens: text, repeat and retrieval rows
   (`adapt.data`), drawn from `Random(f"{seed}:{step}")`;
@@ -51,7 +51,7 @@ CHECKPOINT = "checkpoint.pt"
 
 @dataclass(frozen=True)
 class AdaptOptions:
-    """`adapt`'s options; the defaults are the one-run SmolLM2 recipe measured in docs/adapt.md."""
+    """`adapt`'s options; the defaults are the one-run SmolLM2 recipe measured in docs/experiments/adapt.md."""
 
     steps: int = 360
     rows: int = 4  # rows per batch

@@ -1,0 +1,53 @@
+"""Contract of `benchmarks/serve_load.py`:
+
+- `engine_stats` reads the engine's periodic log lines: the most requests
+  running at once, and mean prompt / generation tokens/s over the busy lines
+  only (idle lines would dilute them);
+- `ratios` are chunked over default, None where a figure is missing;
+- end to end on the tiny Llama (two real servers, `vllm bench serve` against
+  each): every prompt completes on both, the chunked server ran CHUNKED_KV and
+  the default one did not, the KV budget and the command are recorded, and
+  `--logs` keeps both servers' logs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+LOG = """\
+(APIServer pid=1) INFO 12-05 22:00:00 [loggers.py:1] Engine 000: Avg prompt throughput: 1200.0 tokens/s, Avg generation throughput: 10.0 tokens/s, Running: 4 reqs, Waiting: 12 reqs, GPU KV cache usage: 98.0%
+(APIServer pid=1) INFO 12-05 22:00:10 [loggers.py:1] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 30.0 tokens/s, Running: 3 reqs, Waiting: 0 reqs, GPU KV cache usage: 50.0%
+(APIServer pid=1) INFO 12-05 22:00:20 [loggers.py:1] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%
+"""
+
+
+def test_engine_stats_read_the_busy_log_lines(load_benchmark):
+    stats = load_benchmark("serve_load").engine_stats(LOG)
+    assert stats == {"max_running": 4, "prompt_tokens_per_s": 600.0, "generation_tokens_per_s": 20.0, "log_lines": 3}
+
+
+def test_ratios_are_chunked_over_default(load_benchmark):
+    ratios = load_benchmark("serve_load").ratios(
+        {"output_throughput": 30.0, "median_ttft_ms": 50.0, "median_tpot_ms": None},
+        {"output_throughput": 20.0, "median_ttft_ms": 100.0, "median_tpot_ms": 5.0})
+    assert ratios == {"output_tok_s": 1.5, "ttft_p50": 0.5, "tpot_p50": None}
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_both_servers_under_the_same_load(load_benchmark, tiny_llama, tmp_path):
+    bench = load_benchmark("serve_load")
+    out = tmp_path / "load.json"
+    argv = ["--model", str(tiny_llama), "--dtype", "float32", "--input-len", "200", "--output-len", "16",
+            "--prompts", "8", "--kv-mib", "4", "--max-num-seqs", "8", "--chunked-kv", '{"chunk_size": 4, "window": 32}',
+            "--json", str(out), "--logs", str(tmp_path / "logs")]
+    assert bench.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    for name in ("default", "chunked"):
+        assert row[name]["completed"] == 8 and row[name]["kv_budget_mib"] == 4 and row[name]["output_throughput"] > 0
+    assert row["chunked"]["chunked_kv_running"] and not row["default"]["chunked_kv_running"]
+    assert row["ratio"]["output_tok_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["custom-chunked.log", "custom-default.log"]
+    assert "serve_load.py --model" in json.loads(out.read_text())["command"]
