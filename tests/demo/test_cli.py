@@ -59,6 +59,7 @@ def test_summary_groups_cover_every_prompt():
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_demo_runs_end_to_end(tmp_path):
     if not (cli.DEFAULT_MODEL_DIR / "config.json").exists():
         pytest.fail("the demo model is not shipped in vllm_chunked_kv/demo/model")
