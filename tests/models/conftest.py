@@ -1,7 +1,7 @@
 """Session fixtures of the model tests: one cache directory, and SmolLM2-135M
 fetched into it once per session.
 
-The cache is `$VLLM_CHUNKED_KV_CACHE` when set, so a developer's cache is
+The cache is `$CHUNKED_KV_CACHE` when set, so a developer's cache is
 reused (no download, no conversion); otherwise a fresh temporary directory,
 shared by all pytest-xdist workers of the run, and the first test that needs
 the model downloads it (93 MB) and converts it (about 20 s). Two workers that
@@ -21,7 +21,7 @@ from vllm_chunked_kv.models.fetcher import fetch
 
 @pytest.fixture(scope="session")
 def models_cache(tmp_path_factory) -> Path:
-    configured = os.environ.get(cache.ENV_CACHE)
+    configured = cache.configured()
     if configured:
         return Path(configured).expanduser()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is per worker; its parent is the run's

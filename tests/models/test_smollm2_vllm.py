@@ -29,7 +29,7 @@ bf16 where the CPU computes it natively, else fp32: `engine.SERVE_DTYPE`):
   compression ratio (4x). (At 1024 tokens the raw
   pages, about two windows per request, weigh more: 1.9x measured.)
 
-Needs the network (or $VLLM_CHUNKED_KV_CACHE holding the model) and a few
+Needs the network (or $CHUNKED_KV_CACHE holding the model) and a few
 minutes of 2 CPU cores: four engine start-ups, three of them running the
 prompts.
 """

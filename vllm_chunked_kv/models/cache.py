@@ -3,7 +3,9 @@
     <cache>/models/<name>            a complete model directory, or nothing
     <cache>/models/.<name>.*.partial a fetch in progress (never accepted)
 
-`<cache>` is `$VLLM_CHUNKED_KV_CACHE`, else `~/.cache/vllm-chunked-kv`. A
+`<cache>` is `$CHUNKED_KV_CACHE`, else `~/.cache/vllm-chunked-kv`
+(`$VLLM_CHUNKED_KV_CACHE`, its former name, is still read, but vLLM warns
+about every `VLLM_*` variable it does not know, at every start). A
 fetch builds everything inside its own `.partial` sibling and renames the
 finished directory into place, so an interrupted run leaves no directory a
 later call would accept (a killed one may leave a `.partial` behind, which
@@ -19,15 +21,21 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-ENV_CACHE = "VLLM_CHUNKED_KV_CACHE"
+ENV_CACHE = "CHUNKED_KV_CACHE"
+FORMER_ENV_CACHE = "VLLM_CHUNKED_KV_CACHE"
 DEFAULT_CACHE = Path("~/.cache/vllm-chunked-kv")
 COMPLETE_MARKER = "config.json"  # every published model directory has one
 
 
+def configured() -> str | None:
+    """The cache directory the environment names ($CHUNKED_KV_CACHE, else its former name), or None."""
+    return os.environ.get(ENV_CACHE) or os.environ.get(FORMER_ENV_CACHE) or None
+
+
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache directory: the argument, else $VLLM_CHUNKED_KV_CACHE, else the default."""
+    """The cache directory: the argument, else the environment's (`configured`), else the default."""
     if cache_dir is None:
-        cache_dir = os.environ.get(ENV_CACHE) or DEFAULT_CACHE
+        cache_dir = configured() or DEFAULT_CACHE
     return Path(cache_dir).expanduser()
 
 
