@@ -53,15 +53,19 @@ def write_serve_file(out_dir: Path, cfg: ChunkedKVConfig) -> Path:
     return path
 
 
+def _read(model_dir: Path) -> dict:
+    """The model directory's serve file, parsed."""
+    return json.loads((Path(model_dir) / SERVE_FILE).read_text())
+
+
 def read_serve_config(model_dir: Path) -> ChunkedKVConfig:
     """The compression a model directory says it is served with."""
-    meta = json.loads((Path(model_dir) / SERVE_FILE).read_text())
-    return ChunkedKVConfig.from_additional_config(meta["additional_config"])
+    return ChunkedKVConfig.from_additional_config(_read(model_dir)["additional_config"])
 
 
 def serve_arguments(model_dir: Path) -> list[str]:
     """`vllm serve` arguments that serve `model_dir` as its serve file says."""
-    meta = json.loads((Path(model_dir) / SERVE_FILE).read_text())
+    meta = _read(model_dir)
     return ["--attention-backend", meta["attention_backend"], "--additional-config", json.dumps(meta["additional_config"])]
 
 
@@ -85,7 +89,7 @@ def settings_source(additional_config: Mapping | None, model: str | None) -> tup
     if not has_file:
         return None, f'no "{ADDITIONAL_CONFIG_KEY}" section in --additional-config; running with the defaults'
     try:
-        section = json.loads(path.read_text())["additional_config"][ADDITIONAL_CONFIG_KEY]
+        section = _read(path.parent)["additional_config"][ADDITIONAL_CONFIG_KEY]
     except (ValueError, KeyError, TypeError) as exc:
         raise ChunkedKVConfigError(None, f"cannot read {path}: {exc!r}") from None
     return {ADDITIONAL_CONFIG_KEY: dict(section), TAKEN_FROM: str(path)}, from_file
