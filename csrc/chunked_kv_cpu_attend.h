@@ -27,6 +27,13 @@
 namespace chunked_kv_cpu {
 namespace {
 
+#ifndef CHUNKED_KV_AHEAD_BLOCKS
+#define CHUNKED_KV_AHEAD_BLOCKS 2
+#endif
+// How far ahead rows are asked for: while block i is folded, each of its rows
+// asks for one row of block i + kAheadRows / kBlockKeys.
+constexpr int64_t kAheadRows = CHUNKED_KV_AHEAD_BLOCKS * kBlockKeys;
+
 struct Seal {  // grid.num_sealed / grid.raw_from for one query position
   int64_t sealed, raw_from;
 };
@@ -69,11 +76,11 @@ static inline void hide_beyond(Block& b, int64_t queries) {
 template <typename T, typename Pos, typename Row>
 static void fold_raw(Tile& t, Block& b, const TileQueries& tq, int64_t lo, int64_t hi, Pos pos, Row row) {
   t.row_bytes = (t.head_d + t.head_dv) * static_cast<int>(sizeof(T));
-  for (int64_t i = lo; i < min64(hi, lo + kBlockKeys); ++i) prefetch_row(row(i), t.row_bytes);
+  for (int64_t i = lo; i < min64(hi, lo + kAheadRows); ++i) prefetch_row(row(i), t.row_bytes);
   for (int64_t i0 = lo; i0 < hi; i0 += kBlockKeys) {
     b.n = static_cast<int>(min64(kBlockKeys, hi - i0));
-    t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - i0 - kBlockKeys)));
-    for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = row(i0 + kBlockKeys + n);
+    t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - i0 - kAheadRows)));
+    for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = row(i0 + kAheadRows + n);
     for (int n = 0; n < b.n; ++n) {
       const int64_t j = pos(i0 + n);
       bool any = false;
@@ -106,11 +113,11 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
     return head_rows + blocks[page] * a.stride_cb + (s - page * per_page) * a.stride_cs;
   };
   t.row_bytes = (a.head_d + a.head_dv) * static_cast<int>(sizeof(TC));
-  for (int64_t s = lo; s < min64(hi, lo + kBlockKeys); ++s) prefetch_row(slot_row(s), t.row_bytes);
+  for (int64_t s = lo; s < min64(hi, lo + kAheadRows); ++s) prefetch_row(slot_row(s), t.row_bytes);
   for (int64_t s0 = lo; s0 < hi; s0 += kBlockKeys) {
     b.n = static_cast<int>(min64(kBlockKeys, hi - s0));
-    t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - s0 - kBlockKeys)));
-    for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = slot_row(s0 + kBlockKeys + n);
+    t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - s0 - kAheadRows)));
+    for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = slot_row(s0 + kAheadRows + n);
     for (int n = 0; n < b.n; ++n) {
       const int64_t s = s0 + n;
       const int kind = static_cast<int>(s % spg);

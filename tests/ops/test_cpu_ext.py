@@ -7,7 +7,8 @@ Loading:
   build; a failed build is exactly one warning naming the cause, after which
   the kernels are unavailable with that cause as their reason and the
   dispatcher runs PyTorch, saying why in its one log line;
-- the shape limits (GQA group, value head size) are reasons without a build.
+- the shape limits (GQA group, value head size) are reasons without a build;
+- the built fold loop holds its prefetch instructions (objdump, x86-64).
 
 Through `schedule.run_schedule` with ``impl="cpp"`` (a simulated vLLM
 pager, random steps mixing prefill, chunked prefill and decodes; dropped raw
@@ -26,6 +27,10 @@ step rows into an fp16 ``out`` (against `compressed.attend`). The kernels
 really run: their call counters grow while the PyTorch ops are disabled.
 """
 
+import platform
+import re
+import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -79,6 +84,21 @@ def test_builds_and_reports_what_runs(module):
     text = cpu_ext.describe()
     assert text.startswith(f"{isas[0]} kernels") and "-O3 -fopenmp" in text and module.__file__ in text
     assert dispatch.available("cpp", "cpu") == []
+
+
+def test_fold_loop_keeps_its_prefetches(module):
+    """The block fold asks for the next rows while it folds the current ones:
+    the built library's `block_logits` holds prefetch instructions (GCC once
+    deleted them as dead code from an outlined helper, halving cold reads)."""
+    objdump = shutil.which("objdump")
+    if objdump is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs objdump on x86-64")
+    text = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", module.__file__], capture_output=True,
+                          text=True, check=True).stdout
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", text)  # one disassembled function per piece
+    folds = [f for f in functions if "block_logits<" in f.partition("\n")[0]]
+    assert folds, "no block_logits function in the library"
+    assert all("prefetcht0" in f for f in folds), [f.partition("\n")[0][:120] for f in folds if "prefetcht0" not in f]
 
 
 def test_build_forbidden_or_sources_missing_is_a_reason_without_a_build(fresh_state, monkeypatch, tmp_path):
