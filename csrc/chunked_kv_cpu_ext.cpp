@@ -77,11 +77,33 @@ DType step_dtype(const Tensor& step_rows, DType cache) {
   return step;
 }
 
+// Zero the slots below a head's first group (`ChunkWrites.zero_*`); entries
+// on the null page (a decode plan's placeholders) are skipped.
+void zero_slots(Tensor& comp_cache, const Tensor& heads, const Tensor& blocks, const Tensor& offsets) {
+  const int64_t z = heads.numel();
+  if (!z) return;
+  const int64_t* head = index(heads, "zero_heads", z);
+  const int64_t* block = index(blocks, "zero_blocks", z);
+  const int64_t* offset = index(offsets, "zero_offsets", z);
+  const int64_t es = comp_cache.element_size(), row_bytes = comp_cache.size(3) * es;
+  char* comp = static_cast<char*>(comp_cache.data_ptr());
+  for (int64_t i = 0; i < z; ++i) {
+    if (block[i] == 0) continue;  // vLLM's null page: nothing to zero
+    TORCH_CHECK(block[i] > 0 && block[i] < comp_cache.size(0) && head[i] >= 0 && head[i] < comp_cache.size(1) &&
+                    offset[i] >= 0 && offset[i] < comp_cache.size(2),
+                "chunked_kv: zero slot out of range");
+    std::memset(comp + (block[i] * comp_cache.stride(0) + head[i] * comp_cache.stride(1) +
+                        offset[i] * comp_cache.stride(2)) * es, 0, row_bytes);
+  }
+}
+
 void write_chunks(Tensor comp_cache, const Tensor& raw_cache, const Tensor& step_rows, const Tensor& gains,
                   const Tensor& heads, const Tensor& src_blocks, const Tensor& src_offsets, const Tensor& src_step,
-                  const Tensor& dst_blocks, const Tensor& dst_offsets, int64_t head_d, int64_t pool_lo,
+                  const Tensor& dst_blocks, const Tensor& dst_offsets, const Tensor& zero_heads,
+                  const Tensor& zero_blocks, const Tensor& zero_offsets, int64_t head_d, int64_t pool_lo,
                   int64_t pool_hi, bool key_norm) {
   check_rows(comp_cache, "comp_cache", 4);
+  zero_slots(comp_cache, zero_heads, zero_blocks, zero_offsets);
   check_rows(raw_cache, "raw_cache", 4);
   check_rows(step_rows, "step_rows", 3);
   TORCH_CHECK(comp_cache.scalar_type() == raw_cache.scalar_type(), "chunked_kv: the caches differ in dtype");

@@ -8,7 +8,9 @@ Loading:
   the kernels are unavailable with that cause as their reason and the
   dispatcher runs PyTorch, saying why in its one log line;
 - the shape limits (GQA group, value head size) are reasons without a build;
-- the built fold loop holds its prefetch instructions (objdump, x86-64).
+- the built fold loop holds its prefetch instructions (objdump, x86-64);
+- `write_chunks` zeroes the slots below a head's first group in its one
+  call, skipping the null page.
 
 Through `schedule.run_schedule` with ``impl="cpp"`` (a simulated vLLM
 pager, random steps mixing prefill, chunked prefill and decodes; dropped raw
@@ -38,6 +40,7 @@ import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
+from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
 from . import schedule
 from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, kernel_lengths, run_cache_layout,
@@ -149,7 +152,26 @@ def test_binding_rejects_strided_rows(module):
     index = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         module.write_chunks(cache, cache, torch.zeros(3, 2, 8), torch.zeros(4), index[0, :1], index, index, index,
-                            index[:, :1], index[:, :1], 4, 0, 4, False)
+                            index[:, :1], index[:, :1], *[index[0, :0]] * 3, 4, 0, 4, False)
+
+
+def test_write_chunks_zeroes_unused_slots_in_its_call(module):
+    """The slots below a head's first group are zeroed by the same extension
+    call (no tensor op per layer); the decode plan's placeholders on vLLM's
+    null page (block 0) are left alone."""
+    cache = torch.full((3, 2, 4, 16), float("nan"))  # [blocks, Hkv, rows, D + Dv]
+    long = dict(dtype=torch.long)
+    none = torch.zeros(0, **long)
+    writes = ChunkWrites(heads=none, src_blocks=none.view(0, 4), src_offsets=none.view(0, 4),
+                         src_step=none.view(0, 4), dst_blocks=none.view(0, 1), dst_offsets=none.view(0, 1),
+                         zero_heads=torch.tensor([1, 0, 1], **long), zero_blocks=torch.tensor([2, 0, 2], **long),
+                         zero_offsets=torch.tensor([0, 1, 3], **long))
+    before = module.calls()[0]
+    cpu_ext.write_chunks(cache, cache, torch.zeros(1, 2, 16), writes, ChunkedKVConfig(chunk_size=4), 8)
+    assert module.calls()[0] == before + 1
+    zeroed = torch.zeros_like(cache, dtype=torch.bool)
+    zeroed[2, 1, [0, 3]] = True
+    assert (cache[zeroed] == 0).all() and cache[~zeroed].isnan().all()
 
 
 # ---------------------------------------------------------------- schedules

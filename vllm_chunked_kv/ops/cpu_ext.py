@@ -137,17 +137,18 @@ def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Ten
 
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int) -> None:
-    """`compressed.write_chunks`, one OpenMP loop over the chunks (its index
-    tables prepared once per step)."""
-    compressed.zero_unused_slots(comp_cache, writes)
-    if not writes.heads.numel():
+    """`compressed.write_chunks` in one call: the slots below a head's first
+    group zeroed (the decode plan's null-page placeholders skipped), then one
+    OpenMP loop over the chunks (index tables prepared once per step)."""
+    if not writes.heads.numel() and not writes.zero_heads.numel():
         return
     slots = cfg.pooled_slots
 
     def tables():
         c = torch.Tensor.contiguous
         return (c(writes.heads), c(writes.src_blocks), c(writes.src_offsets), c(writes.src_step),
-                c(writes.dst_blocks), c(writes.dst_offsets))
+                c(writes.dst_blocks), c(writes.dst_offsets), c(writes.zero_heads), c(writes.zero_blocks),
+                c(writes.zero_offsets))
 
     args = derived(writes, "cpp", tables)
     gains = compressed.step_gains(writes, cfg, comp_cache.device)
