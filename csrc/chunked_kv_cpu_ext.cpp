@@ -14,6 +14,7 @@
 
 #include "chunked_kv_binding.h"
 #include "chunked_kv_cpu.h"
+#include "chunked_kv_cpu_plan.h"
 
 namespace {
 
@@ -21,7 +22,7 @@ using at::Tensor;
 using chunked_kv_cpu::DType;
 using chunked_kv_cpu::KernelTable;
 
-std::atomic<int64_t> g_write_calls{0}, g_attend_calls{0};
+std::atomic<int64_t> g_write_calls{0}, g_attend_calls{0}, g_plan_calls{0};
 
 // The instruction sets this CPU can run, widest first.
 std::vector<const KernelTable*> supported_tables() {
@@ -260,6 +261,18 @@ void merge_splits(const Tensor& part_acc, const Tensor& part_ml, Tensor out) {
   table().merge_splits(a);
 }
 
+std::vector<Tensor> decode_plan(const Tensor& seq_lens, const Tensor& block_table, int64_t per_block,
+                                const Tensor& raw_block_table, int64_t raw_block_size, const Tensor& origins,
+                                int64_t chunk_size, int64_t hop, int64_t window, int64_t sink_tokens,
+                                int64_t slots_per_group, int64_t raw_cols, int64_t zero_width) {
+  TORCH_CHECK(seq_lens.is_cpu() && block_table.is_cpu() && raw_block_table.is_cpu() && origins.is_cpu(),
+              "chunked_kv: the CPU decode plan takes CPU tensors");
+  TORCH_CHECK(origins.dim() == 2 && hop > 0 && per_block > 0 && raw_block_size > 0, "chunked_kv: bad plan arguments");
+  ++g_plan_calls;
+  return chunked_kv_plan::decode_plan(seq_lens, block_table, per_block, raw_block_table, raw_block_size, origins,
+                                      {chunk_size, hop, window, sink_tokens, slots_per_group}, raw_cols, zero_width);
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
   for (const KernelTable* t : supported_tables()) names.emplace_back(t->isa);
@@ -272,6 +285,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_raw", &write_raw, "Store the step rows of some tokens at their raw slots");
   m.def("write_chunks", &write_chunks, "Pool the chunks a step completes into their compressed slots");
   m.def("attend", &attend, "Chunked attention of one key set's queries");
+  m.def("decode_plan", &decode_plan, "The index plan of a uniform decode batch (ops/decode_plan.py)");
+  m.def("plan_calls", [] { return g_plan_calls.load(); }, "decode_plan calls so far");
   m.def("merge_splits", &merge_splits, "Merge split partial softmaxes into out");
   m.def("isa", [] { return std::string(table().isa); }, "The instruction set whose kernels run");
   m.def("set_isa", &set_isa, "Run the kernels of this instruction set (one of supported_isas())");

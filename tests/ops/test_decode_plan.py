@@ -8,6 +8,9 @@ uniform decode batch is the Python plan of `step_plan.build_plan`.
   raw rows in the same order, the same number of visible slots and the same
   pages for them, with the dense bias (one entry per slot) and without it
   (the block table as it is, expanded by `KeySet.slot_tables`).
+- The C++ extension's plan (`native=True`) equals the tensor-op plan entry
+  for entry, and on CPU without a bias it is the one built once the
+  extension is loaded: one extension call per plan.
 - Through the schedule harness, decode steps planned on the device give the
   reference's outputs (PyTorch path, with the dense bias).
 - Building it performs no host synchronisation: no ``.cpu()``, ``.item()``,
@@ -60,9 +63,10 @@ def _per_request(keys) -> list[tuple]:
 FIXED = [name for name, settings in CONFIGS.items() if settings.get("boundaries") != "dynamic"]
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "page-tables"])
+@pytest.mark.parametrize("bias, native", [(True, False), (False, False), (False, True)],
+                         ids=["bias", "page-tables", "cpp"])
 @pytest.mark.parametrize("name", FIXED)
-def test_equals_the_python_plan(name, bias):
+def test_equals_the_python_plan(name, bias, native):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     origins = cfg.origins(0, 2)
     rng = random.Random(len(name))
@@ -78,7 +82,12 @@ def test_equals_the_python_plan(name, bias):
         want = build_plan(batch, cfg, origins)
         got = build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table, batch.block_size,
                                 batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=bias,
-                                grid_shifts=torch.tensor(batch.grid_shifts))
+                                grid_shifts=torch.tensor(batch.grid_shifts), native=native)
+        if native:  # the C++ plan is the tensor-op plan, entry for entry (null-page placeholders included)
+            _assert_same_plan(got, build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table,
+                                                     batch.block_size, batch.raw_block_table, batch.raw_block_size,
+                                                     cfg, origins, bias=False, native=False,
+                                                     grid_shifts=torch.tensor(batch.grid_shifts)))
         if not bias:  # the kernels' form: the block table itself, no per-slot entries
             assert got.key_sets[0].comp_blocks is batch.block_table and got.key_sets[0].comp_offsets is None
             assert got.key_sets[0].comp_rows_per_page == layout.states_per_block(cfg, batch.block_size)
@@ -89,6 +98,38 @@ def test_equals_the_python_plan(name, bias):
         assert _per_request(got_keys) == _per_request(want_keys)
         checked += bool(want.writes.heads.numel())
     assert checked > 0  # chunks were completed along the way
+
+
+def _assert_same_plan(got, want) -> None:
+    fields = ("heads", "src_blocks", "src_offsets", "src_step", "dst_blocks", "dst_offsets", "zero_heads",
+              "zero_blocks", "zero_offsets")
+    for name in fields:
+        assert torch.equal(getattr(got.writes, name), getattr(want.writes, name)), name
+    (g,), (w,) = got.key_sets, want.key_sets
+    for name in ("query_index", "query_positions", "raw_blocks", "raw_offsets", "raw_positions", "num_raw",
+                 "comp_blocks", "num_slots", "origins"):
+        assert torch.equal(getattr(g, name), getattr(w, name)), name
+    assert (g.comp_offsets, g.bias, g.comp_rows_per_page) == (w.comp_offsets, w.bias, w.comp_rows_per_page)
+    assert torch.equal(got.raw_writes, want.raw_writes)
+
+
+def test_cpu_plan_is_one_extension_call():
+    """On CPU without a bias the plan comes from the C++ extension once it is
+    loaded (`native=None`), one call per plan."""
+    from vllm_chunked_kv.ops import cpu_ext
+
+    module = cpu_ext.load()
+    assert module is not None, cpu_ext.unavailable_reasons()
+    cfg = ChunkedKVConfig(mitigation="boundary", chunk_size=4, window=8, sink_tokens=2)
+    table = torch.arange(1, 4 * 10 + 1, dtype=torch.int32).view(4, 10)
+    before = module.plan_calls()
+    plan = build_decode_plan(torch.tensor([40, 1, 0, 77], dtype=torch.int32), table, 16, table, 12, cfg, [0, 1],
+                             bias=False)
+    assert module.plan_calls() == before + 1
+    _assert_same_plan(plan, build_decode_plan(torch.tensor([40, 1, 0, 77]), table, 16, table, 12, cfg, [0, 1],
+                                              bias=False, native=False))
+    build_decode_plan(torch.tensor([40]), table[:1], 16, table[:1], 12, cfg, [0, 1], bias=True)
+    assert module.plan_calls() == before + 1  # the PyTorch path's dense bias: tensor ops
 
 
 @pytest.mark.parametrize("name", FIXED)

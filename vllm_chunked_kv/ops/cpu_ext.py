@@ -45,7 +45,7 @@ SOURCES_DIR: Path = cuda_ext.SOURCES_DIR  # csrc/ of a checkout, or the copy a w
 SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_kv_cpu_avx512.cpp",
            "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
 HEADERS = ("chunked_kv_cpu.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_cpu_simd.h",
-           "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h", "chunked_kv_cpu_write.h")
+           "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h", "chunked_kv_cpu_write.h", "chunked_kv_cpu_plan.h")
 MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
 
@@ -89,6 +89,11 @@ def _build() -> ModuleType:
         module.set_isa(isa)
     _state["flags"] = flags
     return module
+
+
+def loaded() -> ModuleType | None:
+    """The extension if this process has already built or loaded it (never builds)."""
+    return _state["module"]
 
 
 def unavailable_reasons() -> list[str]:

@@ -35,13 +35,18 @@ from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPl
 
 def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
                       raw_block_table: torch.Tensor, raw_block_size: int, cfg: ChunkedKVConfig,
-                      origins: list[int], *, bias: bool = True, grid_shifts: torch.Tensor | None = None) -> StepPlan:
+                      origins: list[int], *, bias: bool = True, grid_shifts: torch.Tensor | None = None,
+                      native: bool | None = None) -> StepPlan:
     """The plan of a step in which request ``r`` computes the one token at
     position ``seq_lens[r] - 1`` (token index ``r``). seq_lens ``[b]``,
     block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, and
     grid_shifts ``[b]`` (each request's `align` shift; None: all 0), all on
     the device. Padding requests (seq_len 0) read and write nothing. Not for
-    dynamic boundaries, whose unit writes are planned on the host (`step_plan`)."""
+    dynamic boundaries, whose unit writes are planned on the host (`step_plan`).
+
+    On CPU without `bias` the C++ extension builds the same plan in one call
+    (`native`: None uses it when the extension is loaded, True requires it,
+    False keeps the tensor ops)."""
     if cfg.boundaries != "fixed":
         raise ValueError("boundaries 'dynamic' decode steps are planned in Python (step_plan.build_plan)")
     head_o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
@@ -52,6 +57,10 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
         o = grid.shifted(cfg, head_o[None, :], grid_shifts.long()[:, None])  # [b, Hkv]
     host_origins = grid.possible_origins(cfg, origins)  # every origin a request may have (host ints)
     per_block = layout.states_per_block(cfg, block_size)
+    module = _native_module(seq_lens.device, bias, native)
+    if module is not None:
+        return _native_plan(module, cfg, o, host_origins, seq_lens, block_table, per_block, raw_block_table,
+                            raw_block_size)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
     return StepPlan(cfg=cfg, raw_writes=_arange(t.shape[0], seq_lens.device),
                     writes=_chunk_writes(cfg, o, host_origins, t, *tables),
@@ -139,6 +148,39 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         comp_rows_per_page=0 if with_bias else per_block,
     )
 
+
+
+def _native_module(device: torch.device, bias: bool, native: bool | None):
+    """The C++ extension when it builds this plan (see `build_decode_plan`), else None."""
+    if bias or device.type != "cpu" or native is False:
+        return None
+    from vllm_chunked_kv.ops import cpu_ext
+
+    module = cpu_ext.load() if native else cpu_ext.loaded()
+    if native and module is None:
+        raise RuntimeError(f"the C++ decode plan is unavailable: {'; '.join(cpu_ext.unavailable_reasons())}")
+    return module
+
+
+def _native_plan(module, cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, per_block: int, raw_block_table: torch.Tensor,
+                 raw_block_size: int) -> StepPlan:
+    """`build_decode_plan` (no bias) in one call of the C++ extension."""
+    spg = grid.slots_per_group(cfg)
+    raw_cols = grid.forever_raw(cfg, origins) + layout.raw_window(cfg)
+    zero_width = max((grid.first_group(cfg, x) * spg for x in origins), default=0)
+    (heads, src_blocks, src_offsets, src_step, dst_blocks, dst_offsets, zero_heads, zero_blocks, zero_offsets,
+     positions, raw_blocks, raw_offsets, raw_positions, num_raw, comp_blocks, num_slots) = module.decode_plan(
+        seq_lens, block_table, per_block, raw_block_table, raw_block_size, o, cfg.chunk_size, cfg.hop, cfg.window,
+        cfg.sink_tokens, spg, raw_cols, zero_width)
+    b = seq_lens.shape[0]
+    writes = ChunkWrites(heads=heads, src_blocks=src_blocks, src_offsets=src_offsets, src_step=src_step,
+                         dst_blocks=dst_blocks, dst_offsets=dst_offsets, zero_heads=zero_heads,
+                         zero_blocks=zero_blocks, zero_offsets=zero_offsets)
+    keys = KeySet(query_index=_arange(b, seq_lens.device)[:, None], query_positions=positions, raw_blocks=raw_blocks,
+                  raw_offsets=raw_offsets, raw_positions=raw_positions, num_raw=num_raw, comp_blocks=comp_blocks,
+                  comp_offsets=None, num_slots=num_slots, origins=o, bias=None, comp_rows_per_page=per_block)
+    return StepPlan(cfg=cfg, raw_writes=_arange(b, seq_lens.device), writes=writes, key_sets=[keys])
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
