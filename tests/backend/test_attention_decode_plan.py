@@ -4,7 +4,8 @@
   device-side plan on, and the plan built from its metadata wait for
   nothing: no ``.cpu()``, ``.item()``, ``.tolist()`` or truth value of a
   device tensor (`SyncGuard` fails on each); a mixed batch still reads its
-  sequence lengths on the host and gets the Python plan. With `align`, the
+  sequence lengths on the host, and on CPU counts its leading one-token
+  requests, whose plan `build_mixed_plan` builds as a uniform batch. With `align`, the
   grid shifts come from the runner's prompt lengths (mod hop). On CPU (no graphs)
   the decode plan addresses only the pages the longest request has.
 - The builder declares CUDA-graph support for uniform single-token decode
@@ -28,6 +29,7 @@ from tests.ops.test_decode_plan import SyncGuard
 from vllm_chunked_kv.backend.attention import ChunkedKVMetadataBuilder, decode_plan_on_device
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.backend import alignment
+from vllm_chunked_kv.ops import cpu_ext
 
 
 def _builder(device_plan: bool, cfg: ChunkedKVConfig | None = None) -> ChunkedKVMetadataBuilder:
@@ -66,6 +68,7 @@ def test_uniform_decode_waits_for_nothing(align, monkeypatch):
     assert metadata.device_seq_lens is not None and metadata.seq_lens == []
     assert metadata.block_table.shape == (3, 5)  # on CPU, the pages of the longest request: 77 tokens / 16
     raw = types.SimpleNamespace(block_table=torch.arange(1, 25).view(3, 8).as_subclass(SyncGuard), block_size=16)
+    monkeypatch.setattr(cpu_ext, "loaded", lambda: None)  # the tensor-op plan, as on CUDA (not the C++ one)
     plan = metadata.plan(cfg, (0, 2), raw, bias=False)
     assert isinstance(plan.key_sets[0].num_slots, SyncGuard)
 
@@ -73,6 +76,11 @@ def test_uniform_decode_waits_for_nothing(align, monkeypatch):
 def test_mixed_batches_read_lengths_on_the_host():
     with pytest.raises(AssertionError, match="host synchronisation"):
         _builder(True).build(0, _common([40, 9], [1, 5]))
+    builder = _builder(True)
+    common = _common([40, 9, 12, 30], [1, 1, 5, 1])
+    common.seq_lens = torch.tensor([40, 9, 12, 30])  # a plain tensor: the host read is allowed here
+    assert builder.build(0, common).num_decodes == 2  # the leading one-token requests only
+    assert _builder(False).build(0, common).num_decodes == 0  # the Python plan for the whole step
     with pytest.raises(AssertionError, match="host synchronisation"):
         _builder(False).build(0, _common([40, 9], [1, 1]))
 

@@ -26,7 +26,7 @@ from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.reference import reference_chunked_attention
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
 
 # Settings every implementation is checked under: each mitigation and
@@ -135,8 +135,10 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     and check every step against the reference; returns the number of steps.
     Other implementations than PyTorch's also write each step's chunks
     exactly as `compressed.write_chunks` does (their target slots are NaN
-    before the call). With ``decode_plan``, steps in which every request
-    computes one token use `decode_plan.build_decode_plan`."""
+    before the call). With ``decode_plan``, one-token requests come first
+    (as vLLM orders them for the backend); steps in which every request
+    computes one token use `decode_plan.build_decode_plan`, mixed steps
+    `decode_plan.build_mixed_plan` (at least one is checked)."""
     ops = dispatch.ops(impl)
     head_size_v = head_size_v or head_size
     origins = cfg.origins(0, num_kv_heads)
@@ -155,7 +157,7 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     v = [torch.randn(n, num_kv_heads, head_size_v, generator=gen).to(dtype) for n in lengths]
     want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5,
                                         origins=req_origins[r]) for r in range(len(lengths))]
-    done, num_steps = [0] * len(lengths), 0
+    done, num_steps, mixed_steps = [0] * len(lengths), 0, 0
     while any(d < n for d, n in zip(done, lengths)):
         steps = []
         for r in rng.sample(range(len(lengths)), len(lengths)):
@@ -167,8 +169,14 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
         for r, lo, hi in steps:
             pager.drop_outside_window(r, lo)
             pager.allocate(r, hi)
+        if decode_plan:  # vLLM's order for the backend (reorder_batch_threshold): one-token requests first
+            steps.sort(key=lambda step: step[2] - step[1] != 1)
         batch = pager.batch(steps)
-        if decode_plan and all(hi - lo == 1 for _, lo, hi in steps):
+        num_decodes = sum(hi - lo == 1 for _, lo, hi in steps)
+        if decode_plan and 0 < num_decodes < len(steps):
+            plan = build_mixed_plan(batch, num_decodes, cfg, origins, bias=ops.needs_bias)
+            mixed_steps += 1
+        elif decode_plan and num_decodes == len(steps):
             plan = build_decode_plan(torch.tensor(batch.seq_lens, device=device), batch.block_table, batch.block_size,
                                      batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=ops.needs_bias,
                                      grid_shifts=torch.tensor(batch.grid_shifts, device=device))
@@ -188,6 +196,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
             torch.testing.assert_close(rows.float().cpu(), want[r][lo:hi], atol=tol, rtol=tol)
             done[r] = hi
         num_steps += 1
+    if decode_plan and not decode_only:
+        assert mixed_steps, "no step mixed decodes with prefill pieces"
     return num_steps
 
 

@@ -11,6 +11,9 @@ uniform decode batch is the Python plan of `step_plan.build_plan`.
 - The C++ extension's plan (`native=True`) equals the tensor-op plan entry
   for entry, and on CPU without a bias it is the one built once the
   extension is loaded: one extension call per plan.
+- Mixed steps (decodes first, then prefill pieces) planned by
+  `build_mixed_plan` give the reference's outputs through the PyTorch path
+  and the C++ kernels; it refuses decodes that do not come first.
 - Through the schedule harness, decode steps planned on the device give the
   reference's outputs (PyTorch path, with the dense bias).
 - Building it performs no host synchronisation: no ``.cpu()``, ``.item()``,
@@ -28,7 +31,7 @@ import torch
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.backend.attention import decode_plan_on_device
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, build_plan
 
 from .schedule import CONFIGS, Pager, run_schedule
@@ -136,6 +139,26 @@ def test_cpu_plan_is_one_extension_call():
 def test_decode_steps_planned_on_the_device_equal_the_reference(name):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     assert run_schedule(cfg, [63, 100, 17], seed=3, decode_only=True, decode_plan=True) > 0
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+@pytest.mark.parametrize("name", FIXED)
+def test_mixed_steps_plan_their_decodes_as_a_batch(name, impl):
+    """Steps mixing decodes (first) and prefill pieces, planned by
+    `build_mixed_plan`, give the reference's outputs through both the
+    PyTorch path (dense bias) and the C++ kernels (C++ decode plan)."""
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, [63, 100, 17, 40], seed=5, impl=impl, decode_plan=True) > 0
+
+
+def test_mixed_plan_needs_leading_decodes():
+    cfg = ChunkedKVConfig(chunk_size=4, window=8)
+    pager = Pager(cfg, [0, 0], 16, 2, num_kv_heads=2, row=4)
+    for r, hi in ((0, 30), (1, 5)):
+        pager.allocate(r, hi)
+    batch = pager.batch([(0, 0, 30), (1, 4, 5)])  # the decode comes second
+    with pytest.raises(ValueError, match="leading decodes"):
+        build_mixed_plan(batch, 1, cfg, [0, 0])
 
 
 def test_dynamic_boundaries_are_planned_in_python():

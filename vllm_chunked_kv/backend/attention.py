@@ -43,7 +43,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.backend.raw_cache import PagedRows, attach_raw_pages
 from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings
@@ -139,6 +139,7 @@ class ChunkedKVMetadata:
     device_seq_lens: torch.Tensor | None = None  # [num_reqs] when the decode plan is built on the device
     grid_shifts: torch.Tensor | None = None  # [num_reqs] each request's grid shift (`align`; None: none),
     # on the device with `device_seq_lens`, else on the host
+    num_decodes: int = 0  # leading one-token requests planned as a uniform batch in a mixed step (0: none)
     plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
 
     def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw, bias: bool) -> StepPlan:
@@ -156,16 +157,23 @@ class ChunkedKVMetadata:
                     block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
                     grid_shifts=None if self.grid_shifts is None else self.grid_shifts.tolist(),
                 )
-                self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
+                if self.num_decodes:
+                    self.plans[origins] = build_mixed_plan(batch, self.num_decodes, cfg, list(origins), bias=bias)
+                else:
+                    self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
         return self.plans[origins]
 
 
 class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
     """Uniform decode batches (one token per request) are planned on the
     device when `decode_plan_on_device` says so, and may then be captured in
-    CUDA graphs; every other batch gets the Python plan. With `align`, each
+    CUDA graphs; on CPU the decodes of a mixed batch, which vLLM puts first
+    (`reorder_batch_threshold`), are planned the same way and only its
+    prefill pieces get the Python plan (`build_mixed_plan`). With `align`, each
     request's grid shift comes from its prompt length (`alignment`), kept on
     the device in a buffer of fixed address (what a captured graph reads)."""
+
+    reorder_batch_threshold: ClassVar[int | None] = 1  # one-token requests first in every batch
 
     def __init__(
         self,
@@ -209,6 +217,11 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
             # No graphs to keep shapes for: the decode plan addresses only the
             # pages the longest request has (a page holds block_size tokens).
             block_table = block_table[:, : -(-m.max_seq_len // self.block_size)]
+        num_decodes = 0
+        query_start = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()  # host tensor: no device wait
+        if self.device_decode_plan and not uniform_decode and block_table.device.type == "cpu":
+            while num_decodes < m.num_reqs - 1 and query_start[num_decodes + 1] == num_decodes + 1:
+                num_decodes += 1  # vLLM puts decodes first (reorder_batch_threshold)
         shifts = None
         if self.config.align != "none":
             shifts = self.config.grid_shift(alignment.prompt_lengths(self.vllm_config, m.num_reqs))  # [num_reqs] host
@@ -216,12 +229,13 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
                 shifts = self.shift_buffer[: m.num_reqs].copy_(shifts, non_blocking=True)
         return ChunkedKVMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),  # host tensor: no device wait
+            query_start=query_start,
             seq_lens=[] if uniform_decode else m.seq_lens[: m.num_reqs].cpu().tolist(),
             block_table=block_table,
             block_size=self.block_size,
             device_seq_lens=m.seq_lens[: m.num_reqs] if uniform_decode else None,
             grid_shifts=shifts,
+            num_decodes=num_decodes,
         )
 
 

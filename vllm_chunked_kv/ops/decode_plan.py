@@ -24,13 +24,15 @@ that do not exist in a given step are padding, never read as data:
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from functools import lru_cache
 
 import torch
 
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPlan, visibility_bias
+from vllm_chunked_kv.ops.step_plan import (NULL_PAGE, ChunkWrites, KeySet, PagedBatch, StepPlan, build_plan,
+                                           visibility_bias)
 
 
 def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
@@ -148,6 +150,30 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
         comp_rows_per_page=0 if with_bias else per_block,
     )
 
+
+
+def build_mixed_plan(batch: PagedBatch, num_decodes: int, cfg: ChunkedKVConfig, origins: list[int], *,
+                     bias: bool = True) -> StepPlan:
+    """The plan of a step whose first `num_decodes` requests each compute one
+    token (their token indices are then their request indices; vLLM puts
+    decodes first when a backend asks, `reorder_batch_threshold`) and whose
+    other requests are prefill pieces: the decodes planned as a uniform
+    batch (`build_decode_plan`, one C++ call on CPU), the rest by
+    `step_plan.build_plan`, joined. Fixed boundaries; host block tables."""
+    d = num_decodes
+    if not 0 < d < len(batch.seq_lens) or batch.query_start[d] != d:
+        raise ValueError(f"{d} leading decodes do not fit query_start {batch.query_start[:d + 1]}")
+    shifts = batch.grid_shifts
+    decodes = build_decode_plan(torch.tensor(batch.seq_lens[:d]), batch.block_table[:d], batch.block_size,
+                                batch.raw_block_table[:d], batch.raw_block_size, cfg, origins, bias=bias,
+                                grid_shifts=None if shifts is None else torch.tensor(shifts[:d]))
+    rest = build_plan(replace(batch, query_start=batch.query_start[d:], seq_lens=batch.seq_lens[d:],
+                              block_table=batch.block_table[d:], raw_block_table=batch.raw_block_table[d:],
+                              grid_shifts=None if shifts is None else shifts[d:]), cfg, origins, bias=bias)
+    names = [f.name for f in fields(ChunkWrites) if f.name not in ("dynamic", "memo")]
+    writes = ChunkWrites(**{n: torch.cat([getattr(decodes.writes, n), getattr(rest.writes, n)]) for n in names})
+    return StepPlan(cfg=cfg, raw_writes=torch.cat([decodes.raw_writes, rest.raw_writes]), writes=writes,
+                    key_sets=decodes.key_sets + rest.key_sets)
 
 
 def _native_module(device: torch.device, bias: bool, native: bool | None):
