@@ -60,7 +60,7 @@ def worker(spec: dict) -> dict:
 
     current: dict = defaultdict(float)  # this step's seconds per part
     steps: list[tuple[bool, dict]] = []
-    attn_bytes: list[int] = []
+    rows_per_layer: list[int] = []  # rows a decode step's attention reads in one layer
     execute = gpu_model_runner.GPUModelRunner.execute_model
 
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -82,9 +82,9 @@ def worker(spec: dict) -> dict:
 
         def counted_plan(self, *args, **kwargs):
             built = plan(self, *args, **kwargs)
-            if self.device_seq_lens is not None:  # a decode step: the rows its attention reads, once per layer
+            if self.device_seq_lens is not None:  # a decode step
                 keys = built.key_sets[0]
-                attn_bytes.append(int(keys.num_raw.sum()) + int(keys.num_slots.sum()) + keys.query_index.numel())
+                rows_per_layer.append(int(keys.num_raw.sum()) + int(keys.num_slots.sum()) + keys.query_index.numel())
             return built
 
         attention.ChunkedKVMetadata.plan = _timed(current, "plan", counted_plan)
@@ -102,7 +102,7 @@ def worker(spec: dict) -> dict:
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     steps.clear()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=spec["output"], ignore_eos=True), use_tqdm=False)
-    return {"steps": steps, "rows_per_layer": attn_bytes}
+    return {"steps": steps, "rows_per_layer": rows_per_layer}
 
 
 def summarise(result: dict, layers: int, row_bytes: int, backend: str, batch: int, context: int) -> dict:

@@ -27,12 +27,9 @@
 namespace chunked_kv_cpu {
 namespace {
 
-#ifndef CHUNKED_KV_AHEAD_BLOCKS
-#define CHUNKED_KV_AHEAD_BLOCKS 2
-#endif
 // How far ahead rows are asked for: while block i is folded, each of its rows
-// asks for one row of block i + kAheadRows / kBlockKeys.
-constexpr int64_t kAheadRows = CHUNKED_KV_AHEAD_BLOCKS * kBlockKeys;
+// asks for one row of block i + 2.
+constexpr int64_t kAheadRows = 2 * kBlockKeys;
 
 struct Seal {  // grid.num_sealed / grid.raw_from for one query position
   int64_t sealed, raw_from;

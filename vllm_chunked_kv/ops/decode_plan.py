@@ -52,9 +52,8 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     if cfg.boundaries != "fixed":
         raise ValueError("boundaries 'dynamic' decode steps are planned in Python (step_plan.build_plan)")
     head_o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
-    t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
     if grid_shifts is None:
-        o = head_o[None, :].expand(t.shape[0], -1)  # [b, Hkv]
+        o = head_o[None, :].expand(seq_lens.shape[0], -1)  # [b, Hkv]
     else:
         o = grid.shifted(cfg, head_o[None, :], grid_shifts.long()[:, None])  # [b, Hkv]
     host_origins = grid.possible_origins(cfg, origins)  # every origin a request may have (host ints)
@@ -63,6 +62,7 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     if module is not None:
         return _native_plan(module, cfg, o, host_origins, seq_lens, block_table, per_block, raw_block_table,
                             raw_block_size)
+    t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
     return StepPlan(cfg=cfg, raw_writes=_arange(t.shape[0], seq_lens.device),
                     writes=_chunk_writes(cfg, o, host_origins, t, *tables),
@@ -87,7 +87,7 @@ def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: 
     dst_blocks = torch.where(done[..., None], block_table[req[..., None], (slots // per_block).clamp(max=last_page)],
                              NULL_PAGE)
     # Slots below a head's first group are zeroed when its chunk 0 completes.
-    width = max((grid.first_group(cfg, x) * spg for x in origins), default=0)  # from the host's origins
+    width = _zero_width(cfg, origins)  # from the host's origins
     zs = _arange(width, t.device)  # [Z0]
     zero = (done & (k == 0))[..., None] & (zs < grid.first_group(cfg, o)[..., None] * spg)  # [b, Hkv, Z0]
     zero_blocks = torch.where(zero, block_table[req[..., None], (zs // per_block).clamp(max=last_page)],
@@ -117,7 +117,7 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
     leading = torch.minimum(first, keep)  # [b]
     start = torch.minimum(torch.maximum(window_from, keep), first)  # [b] first stored row of the raw region
     num_raw = leading + (first - start)  # [b]
-    i = _arange(grid.forever_raw(cfg, origins) + layout.raw_window(cfg), t.device)[None, :]  # [1, Nr] bounds num_raw
+    i = _arange(_raw_columns(cfg, origins), t.device)[None, :]  # [1, Nr] bounds num_raw
     raw_t = torch.where(i < leading[:, None], i, start[:, None] + i - leading[:, None])  # [b, Nr]
     raw_valid = i < num_raw[:, None]  # [b, Nr] valid rows first, padding after
     raw_t = torch.where(raw_valid, raw_t, 0)
@@ -176,6 +176,16 @@ def build_mixed_plan(batch: PagedBatch, num_decodes: int, cfg: ChunkedKVConfig, 
                     key_sets=decodes.key_sets + rest.key_sets)
 
 
+def _raw_columns(cfg: ChunkedKVConfig, origins: list[int]) -> int:
+    """Nr: stored raw rows a request may read, over every possible origin (kept leading rows + raw window)."""
+    return grid.forever_raw(cfg, origins) + layout.raw_window(cfg)
+
+
+def _zero_width(cfg: ChunkedKVConfig, origins: list[int]) -> int:
+    """Z0: the most slots below a head's first group, over every possible origin."""
+    return max((grid.first_group(cfg, x) * grid.slots_per_group(cfg) for x in origins), default=0)
+
+
 def _native_module(device: torch.device, bias: bool, native: bool | None):
     """The C++ extension when it builds this plan (see `build_decode_plan`), else None."""
     if bias or device.type != "cpu" or native is False:
@@ -192,13 +202,10 @@ def _native_plan(module, cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[in
                  block_table: torch.Tensor, per_block: int, raw_block_table: torch.Tensor,
                  raw_block_size: int) -> StepPlan:
     """`build_decode_plan` (no bias) in one call of the C++ extension."""
-    spg = grid.slots_per_group(cfg)
-    raw_cols = grid.forever_raw(cfg, origins) + layout.raw_window(cfg)
-    zero_width = max((grid.first_group(cfg, x) * spg for x in origins), default=0)
     (heads, src_blocks, src_offsets, src_step, dst_blocks, dst_offsets, zero_heads, zero_blocks, zero_offsets,
      positions, raw_blocks, raw_offsets, raw_positions, num_raw, comp_blocks, num_slots) = module.decode_plan(
         seq_lens, block_table, per_block, raw_block_table, raw_block_size, o, cfg.chunk_size, cfg.hop, cfg.window,
-        cfg.sink_tokens, spg, raw_cols, zero_width)
+        cfg.sink_tokens, grid.slots_per_group(cfg), _raw_columns(cfg, origins), _zero_width(cfg, origins))
     b = seq_lens.shape[0]
     writes = ChunkWrites(heads=heads, src_blocks=src_blocks, src_offsets=src_offsets, src_step=src_step,
                          dst_blocks=dst_blocks, dst_offsets=dst_offsets, zero_heads=zero_heads,
