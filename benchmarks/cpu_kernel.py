@@ -14,7 +14,10 @@ step: for decode steps of the C++ kernels the device-side plan of
 time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is
 the rows a decode step's attention reads (visible compressed slots and raw
 rows, keys and values, every KV head and layer) over its time; ``memcpy
-GB/s`` copies a buffer of the same size. With ``--cold`` each timed step
+GB/s`` copies a buffer of the same size. ``vllm ms`` is vLLM's own CPU
+attention (its default CPU backend's kernel) for the same queries over the
+whole context, with no cache write (the C++ time includes `write_chunks`).
+With ``--cold`` each timed step
 starts after a 64 MB copy, so that its pages come from memory as in a
 model, whose weights pass through the caches between layers.
 
@@ -102,6 +105,47 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
             "step_s": statistics.median(steps[1:]), "bytes": read}
 
 
+def time_vllm(context: int, batch: int, q_len: int, *, layers: int, heads: int, num_kv_heads: int, head_size: int,
+              dtype, repeat: int, flush=None, block_size: int = 128) -> float | None:
+    """Median seconds of vLLM's own CPU attention (`cpu_attention_with_kv_cache`,
+    the kernel of its default CPU backend) over all layers, for the same
+    queries over the whole context (pages of `block_size` tokens, none
+    dropped), or None when this vLLM has no CPU attention op."""
+    try:
+        from vllm import _custom_ops as vllm_ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    if not hasattr(vllm_ops, "cpu_attention_with_kv_cache"):
+        return None
+    isa = _get_attn_isa(dtype, block_size, head_size)
+    pages = -(-context // block_size)
+    gen = torch.Generator().manual_seed(2)
+    caches = [torch.randn(batch * pages + 1, num_kv_heads, 2 * block_size, head_size, generator=gen).to(dtype)
+              for _ in range(layers)]  # [pages, Hkv, K rows then V rows, D]
+    block_table = (torch.arange(batch * pages, dtype=torch.int32).view(batch, pages) + 1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    query_start = torch.arange(batch + 1, dtype=torch.int32) * q_len
+    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=batch, num_heads=heads, num_kv_heads=num_kv_heads, head_dim=head_size, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    query = torch.randn(batch * q_len, heads, head_size, generator=gen).to(dtype)  # [n, Hq, D]
+    out = torch.empty_like(query)
+    times = []
+    for _ in range(repeat + 1):
+        if flush is not None:
+            flush()
+        start = time.perf_counter()
+        for cache in caches:
+            keys, values = cache.chunk(2, dim=2)
+            vllm_ops.cpu_attention_with_kv_cache(
+                query=query, key_cache=keys, value_cache=values, output=out, query_start_loc=query_start,
+                seq_lens=seq_lens, scale=head_size ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def memcpy_bandwidth(nbytes: int, repeat: int) -> float:
     """Bytes per second of copying `nbytes` (at least 64 MB, so that it streams from memory)."""
     size = max(nbytes, 64 << 20) // 4
@@ -119,6 +163,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill piece (0: no prefill rows)")
+    parser.add_argument("--prefill-batch", type=int, default=1, help="requests of the prefill step")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -144,8 +189,9 @@ def main() -> None:
     print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "
           f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name} cold={args.cold}")
     print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'py plan':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
-          f"{'read GB/s':>9} {'memcpy GB/s':>11} {'fraction':>8}")
-    cases = [("decode", b, 1) for b in args.batches] + ([("prefill", 1, args.prefill)] if args.prefill else [])
+          f"{'vllm ms':>8} {'cpp/vllm':>8} {'read GB/s':>9} {'memcpy GB/s':>11} {'fraction':>8}")
+    cases = [("decode", b, 1) for b in args.batches]
+    cases += [("prefill", args.prefill_batch, args.prefill)] if args.prefill else []
     for kind, batch, q_len in cases:
         for context in args.contexts:
             if q_len > context:
@@ -155,12 +201,16 @@ def main() -> None:
             torch_t = time_ops("torch", cfg, caches, paged, **shape)
             cpp_t = time_ops("cpp", cfg, caches, paged, **shape)
             rate = cpp_t["bytes"] / cpp_t["step_s"]
+            vllm_s = time_vllm(context, batch, q_len, layers=args.layers, heads=args.heads,
+                               num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=dtype,
+                               repeat=args.repeat, flush=shape.get("flush"))
+            vllm = f"{vllm_s * 1e3:>8.2f} {cpp_t['step_s'] / vllm_s:>8.2f}" if vllm_s else f"{'-':>8} {'-':>8}"
             copy = memcpy_bandwidth(cpp_t["bytes"], args.repeat)
-            label = f"{kind} b={batch}" if kind == "decode" else f"prefill {q_len}"
+            label = f"{kind} b={batch}" if kind == "decode" else f"prefill {batch}x{q_len}"
             reads = f"{rate / 1e9:>9.2f} {copy / 1e9:>11.2f} {rate / copy:>8.2f}" if kind == "decode" else ""
             print(f"{label:>14} {context:>7} {cpp_t['plan_s'] * 1e3:>8.2f} {cpp_t['python_plan_s'] * 1e3:>8.2f} "
                   f"{torch_t['step_s'] * 1e3:>9.2f} {cpp_t['step_s'] * 1e3:>8.2f} "
-                  f"{torch_t['step_s'] / cpp_t['step_s']:>7.2f} {reads}", flush=True)
+                  f"{torch_t['step_s'] / cpp_t['step_s']:>7.2f} {vllm} {reads}", flush=True)
 
 
 if __name__ == "__main__":

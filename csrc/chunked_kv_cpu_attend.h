@@ -165,7 +165,7 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   t.rows = static_cast<int>(tq.count) * group;
   t.packed = t.rows > kPackRows;
 #if defined(CHUNKED_KV_AVX512_BF16)
-  t.dot_bf16 = a.query_is_bf16 && !t.packed;
+  t.dot_bf16 = a.query_is_bf16;
 #else
   t.dot_bf16 = false;
 #endif

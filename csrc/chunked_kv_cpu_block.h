@@ -12,7 +12,8 @@
 //    straight from the row, every query row from one load of each key
 //    vector (bf16 pairs through AVX-512 BF16 dot products when queries and
 //    keys are bf16); a multi-token tile first packs the block's keys
-//    transposed in fp32 and runs a register-blocked R x N product;
+//    transposed (bf16 pairs for AVX-512 BF16 dot products when queries and
+//    keys are bf16, else fp32) and runs a register-blocked R x N product;
 // 2. the online softmax update per query row, vectorised (hidden logits weigh 0);
 // 3. acc [R, Dv] += P [R, N] @ V [N, Dv], register-blocked, each value
 //    vector loaded once per row group (packed in fp32 for multi-token tiles).
@@ -36,7 +37,7 @@ struct Tile {
   float* q;          // [rows, dp] queries times the scale, fp32, zero-padded
   uint16_t* q_bf16;  // [rows, round_up(head_d, 32)] bf16 queries, unscaled (dot_bf16 only)
   float* acc;        // [rows, dvp]
-  float* kt;         // [dp, kBlockKeys] packed keys, transposed
+  float* kt;         // [dp, kBlockKeys] packed keys, transposed (bf16 pairs [dp / 2, kBlockKeys] if dot_bf16)
   float* vp;         // [kBlockKeys, dvp] packed values
   float m[kMaxTileRows], l[kMaxTileRows];
   float p[kMaxTileRows][kBlockKeys];  // logits, then probabilities
@@ -132,15 +133,76 @@ static inline void packed_logits(Tile& t, int r0) {  // t.p[r0 .. r0+NR) = q @ k
     for (int c = 0; c < NC; ++c) vstore(&t.p[r0 + i][c * W], acc[i][c]);
 }
 
+// Row n's values into the packed block, fp32, zero-padded (zero for a row no
+// query sees: its weight is 0, and 0 x stale data could be NaN).
+template <typename T>
+static inline void pack_values(Tile& t, const T* row, int n) {
+  float* vrow = t.vp + n * t.dvp;
+  for (int d = 0; d < t.dvp; d += W)
+    vstore(vrow + d, row && d < t.head_dv ? vload_upto(row + t.head_d + d, t.head_dv - d) : vzero());
+}
+
+#if defined(CHUNKED_KV_AVX512_BF16)
+// A multi-token tile in bf16: keys packed as bf16 pairs, kt[p][n] = key n's
+// dims (2p, 2p + 1), so that one AVX-512 BF16 dot product takes two dims of
+// 16 keys against a query row's pair broadcast: R x N logits at twice the
+// dims per instruction of the fp32 product, with no conversion of the keys.
+template <int NR>
+static inline void packed_logits_bf16(Tile& t, int r0, int pairs) {  // t.p[r0 .. r0+NR) = q @ kt
+  constexpr int NC = kBlockKeys / 16;
+  const int stride = round_up(t.head_d, 32) / 2;  // pairs per query row of q_bf16
+  const uint32_t* kt = reinterpret_cast<const uint32_t*>(t.kt);  // [pairs, kBlockKeys]
+  __m512 acc[NR][NC];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; ++p) {
+    __m512bh k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + p * kBlockKeys + c * 16);
+    for (int i = 0; i < NR; ++i) {
+      uint32_t pair;
+      memcpy(&pair, t.q_bf16 + 2 * ((r0 + i) * stride + p), sizeof pair);
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], q, k[c]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(t.post_scale);
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(&t.p[r0 + i][c * 16], _mm512_mul_ps(acc[i][c], scale));
+}
+
+static void packed_block_bf16(Tile& t, const Block& b) {
+  const int pairs = (t.head_d + 1) / 2;
+  uint32_t* kt = reinterpret_cast<uint32_t*>(t.kt);
+  for (int n = 0; n < kBlockKeys; ++n) {
+    prefetch_ahead(t, n);
+    const Bf16* row = n < b.n ? static_cast<const Bf16*>(b.row[n]) : nullptr;
+    for (int p = 0; p < pairs; ++p) {
+      uint32_t pair = 0;
+      if (row) memcpy(&pair, row + 2 * p, 2 * p + 1 < t.head_d ? 4 : 2);  // an odd head's last dim pairs with 0
+      kt[p * kBlockKeys + n] = pair;
+    }
+    pack_values(t, row, n);
+  }
+  int r = 0;
+  for (; r + 8 <= t.rows; r += 8) packed_logits_bf16<8>(t, r, pairs);
+  for (; r + 4 <= t.rows; r += 4) packed_logits_bf16<4>(t, r, pairs);
+  for (; r < t.rows; ++r) packed_logits_bf16<1>(t, r, pairs);
+}
+#endif
+
 template <typename T>
 static void block_logits(Tile& t, const Block& b) {
   if (t.packed) {
+#if defined(CHUNKED_KV_AVX512_BF16)
+    if constexpr (IsBf16<T>::value) {
+      if (t.dot_bf16) return packed_block_bf16(t, b);
+    }
+#endif
     for (int n = 0; n < kBlockKeys; ++n) {
       prefetch_ahead(t, n);
       const T* row = n < b.n ? static_cast<const T*>(b.row[n]) : nullptr;
-      float* vrow = t.vp + n * t.dvp;
       for (int d = 0; d < t.head_d; ++d) t.kt[d * kBlockKeys + n] = row ? to_float(row[d]) : 0.f;
-      for (int d = 0; d < t.dvp; ++d) vrow[d] = row && d < t.head_dv ? to_float(row[t.head_d + d]) : 0.f;
+      pack_values(t, row, n);
     }
     int r = 0;
     for (; r + kRowBlock <= t.rows; r += kRowBlock) packed_logits<kRowBlock>(t, r);

@@ -309,6 +309,28 @@ def mixed_dtypes_step(attend) -> tuple[torch.Tensor, torch.Tensor]:
     return out, want
 
 
+def bf16_prefill_step(head_size: int) -> tuple[tuple, torch.Tensor]:
+    """One prefill of 100 tokens, bf16 queries, rows and caches, GQA 4:
+    (the arguments of ``attend(query, step_rows, comp, raw, plan, scale)``,
+    `compressed.attend`'s fp32 result from the same values in fp32)."""
+    from vllm_chunked_kv.ops import compressed
+
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    pager = Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=2 * head_size, dtype=torch.bfloat16)
+    pager.allocate(0, 100)
+    step = [(0, 0, 100)]
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(100, 8, head_size, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
+    step_rows = torch.randn(100, 2, 2 * head_size, generator=gen).to(torch.bfloat16)  # [n, Hkv, D + Dv]
+    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
+    compressed.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
+    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, head_size)
+    args = (query, step_rows, pager.comp, pager.raw, plan, head_size ** -0.5)
+    want = compressed.attend(query.float(), step_rows.float(), pager.comp.float(), pager.raw.float(), plan,
+                             head_size ** -0.5)  # [n, Hq, Dv] fp32
+    return args, want
+
+
 def call_returning(module: str, name: str, *args, **kwargs) -> tuple:
     """Call ``module.name(*args, **kwargs)`` and return ``args``: how an
     in-place op run in another process hands its written tensors back."""

@@ -228,6 +228,25 @@ def test_mixed_query_step_and_out_dtypes(module):
     torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("head_size", [64, 9])
+def test_bf16_prefill_tiles_take_bf16_products(module, isa, head_size):
+    """On AVX-512 BF16, a bf16 multi-token tile takes its logits from bf16
+    pair dot products (an odd head's last dim paired with zero): its output
+    is within bf16 tolerance of the reference and rounds differently from
+    the AVX-512 kernel's fp32 products on the same tile."""
+    if "avx512bf16" not in module.supported_isas():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    args, want = schedule.bf16_prefill_step(head_size)
+    outs = {}
+    for each in ("avx512bf16", "avx512"):
+        isa(each)
+        out = torch.full(args[0].shape, float("nan"))  # fp32: a logit's rounding is not lost in bf16
+        cpu_ext.attend(*args, out=out, block_m=10)  # 10 queries x GQA 4: packed tiles
+        torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+        outs[each] = out
+    assert not torch.equal(outs["avx512bf16"], outs["avx512"])
+
+
 def test_the_kernels_really_run(module, monkeypatch):
     """With PyTorch's attention disabled, a schedule through dispatch's "cpp"
     ops passes and the kernels' call counters grow by its steps."""
