@@ -78,6 +78,8 @@ struct AttendArgs {
   int chunk_size, hop, slots_per_group;
   int tile_q, num_splits, num_threads;
   float scale, log_weight;
+  float softcap;       // the model's logit cap: logit = softcap * tanh(logit / softcap); 0: none
+  const float* sinks;  // [num_heads] the model's learned sink logits (in each softmax's denominator), or null
   DType step_dtype, cache_dtype, out_dtype;
 };
 

@@ -173,6 +173,11 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   t.dot_bf16 = false;
 #endif
   load_queries(a, t, tokens, head);
+  if (a.sinks && split == 0)  // a learned sink logit: in the denominator from the start, no value
+    for (int r = 0; r < t.rows; ++r) {
+      t.m[r] = a.sinks[head * group + r % group];
+      t.l[r] = 1.f;
+    }
 
   // The parts' index ranges, then this split's share of their concatenation.
   const int64_t num_raw = a.num_raw[row];
@@ -246,6 +251,7 @@ static TileBuffers make_buffers(const AttendArgs& a) {
   t->dp = dp;
   t->dvp = dvp;
   t->post_scale = a.scale;
+  t->softcap = a.softcap;
   return {t, b, mem};
 }
 

@@ -14,7 +14,8 @@
 //    keys are bf16); a multi-token tile first packs the block's keys
 //    transposed (bf16 pairs for AVX-512 BF16 dot products when queries and
 //    keys are bf16, else fp32) and runs a register-blocked R x N product;
-// 2. the online softmax update per query row, vectorised (hidden logits weigh 0);
+// 2. the online softmax update per query row, vectorised (hidden logits weigh 0),
+//    after the model's logit cap when it has one;
 // 3. acc [R, Dv] += P [R, N] @ V [N, Dv], register-blocked, each value
 //    vector loaded once per row group (packed in fp32 for multi-token tiles).
 #pragma once
@@ -34,6 +35,7 @@ struct Tile {
   int head_d, head_dv, dp, dvp;  // head sizes, padded to whole vectors
   bool packed, dot_bf16;
   float post_scale;  // the softmax scale, applied to bf16 dot products (the fp32 queries carry it)
+  float softcap;     // the model's logit cap (0: none), applied before the block's bias
   float* q;          // [rows, dp] queries times the scale, fp32, zero-padded
   uint16_t* q_bf16;  // [rows, round_up(head_d, 32)] bf16 queries, unscaled (dot_bf16 only)
   float* acc;        // [rows, dvp]
@@ -222,12 +224,16 @@ static void block_logits(Tile& t, const Block& b) {
 // --- 2. online softmax
 
 static void block_softmax(Tile& t, const Block& b) {
+  const bool capped = t.softcap > 0;
+  const vf cap = vset(t.softcap), inv_cap = vset(capped ? 1.f / t.softcap : 0.f);
   for (int r = 0; r < t.rows; ++r) {
     float* lg = t.p[r];
     const float* add = b.add[r / t.group];
     vf top = vset(-INFINITY);
     for (int n = 0; n < kBlockKeys; n += W) {
-      const vf x = vadd(vload(lg + n), vload(add + n));
+      vf x = vload(lg + n);
+      if (capped) x = vmul(cap, vtanh(vmul(x, inv_cap)));
+      x = vadd(x, vload(add + n));
       vstore(lg + n, x);
       top = vmax(top, x);
     }

@@ -144,7 +144,7 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
             const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
             const Tensor& num_slots, int64_t comp_rows_per_page, const Tensor& origins, double scale,
             double log_weight, int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop,
-            int64_t slots_per_group, int64_t tile_q, int64_t num_splits) {
+            int64_t slots_per_group, int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks) {
   check_rows(query, "query", 3);
   check_rows(step_rows, "step_rows", 3);
   check_rows(comp_cache, "comp_cache", 4);
@@ -210,6 +210,13 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   a.tile_q = static_cast<int>(tile_q);
   a.scale = static_cast<float>(scale);
   a.log_weight = static_cast<float>(log_weight);
+  TORCH_CHECK(softcap >= 0, "chunked_kv: softcap must be >= 0");
+  a.softcap = static_cast<float>(softcap);
+  if (sinks.numel()) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.numel() == a.num_heads,
+                "chunked_kv: sinks must be fp32 [num_heads]");
+    a.sinks = sinks.data_ptr<float>();
+  }
   a.num_threads = at::get_num_threads();
   ++g_attend_calls;
   if (a.num_rows && a.num_q) table().attend(a);

@@ -78,6 +78,7 @@ static inline vf vload_n(const Bf16* p, int n) { return bf16_lanes(_mm256_maskz_
 static inline vf vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 static inline vf vload_n(const Half* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_n(n), p)); }
 static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // y * 2^n for integral n, and 0 where x < lo.
 static inline vf vscale_live(vf y, vf n, vf x, float lo) {
@@ -120,6 +121,7 @@ static inline vf vload_n(const T* p, int n) {  // through a zeroed copy: no 16-b
   return vload(tmp);
 }
 static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vscale_live(vf y, vf n, vf x, float lo) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -135,6 +137,7 @@ static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vsub(vf a, vf b) { return a - b; }
 static inline vf vadd(vf a, vf b) { return a + b; }
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+static inline vf vdiv(vf a, vf b) { return a / b; }
 static inline float vsum(vf a) { return a; }
 static inline float vhmax(vf a) { return a; }
 static inline void vstore(float* p, vf a) { *p = a; }
@@ -161,6 +164,10 @@ static inline vf vexp(vf x) {
   return vscale_live(y, n, x, lo);
 }
 #endif
+
+// tanh(x) = 1 - 2 / (e^2x + 1), exactly -1 and 1 at the ends (e^2x is 0 or
+// huge there); absolute error about 1e-7 near 0.
+static inline vf vtanh(vf x) { return vsub(vset(1.f), vdiv(vset(2.f), vadd(vexp(vadd(x, x)), vset(1.f)))); }
 
 // The first `n` elements at p, as fp32 (a full vector when n >= W).
 template <typename T>

@@ -130,7 +130,8 @@ class Pager:
 def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: str = "torch", num_kv_heads: int = 2,
                  group: int = 2, head_size: int = 8, head_size_v: int | None = None, decode_only: bool = False,
                  dtype=torch.float32, device="cpu", tol: float = 1e-5, attend_kwargs: dict | None = None,
-                 cache_all: bool = False, decode_plan: bool = False) -> int:
+                 cache_all: bool = False, decode_plan: bool = False, softcap: float = 0.0,
+                 sinks: bool = False) -> int:
     """Run one random schedule through the ops of ``impl`` (`dispatch.ops`)
     and check every step against the reference; returns the number of steps.
     Other implementations than PyTorch's also write each step's chunks
@@ -138,7 +139,9 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     before the call). With ``decode_plan``, one-token requests come first
     (as vLLM orders them for the backend); steps in which every request
     computes one token use `decode_plan.build_decode_plan`, mixed steps
-    `decode_plan.build_mixed_plan` (at least one is checked)."""
+    `decode_plan.build_mixed_plan` (at least one is checked). ``softcap``
+    and ``sinks`` (random learned sink logits, one per query head) give the
+    model's logit options to the reference and to `attend`."""
     ops = dispatch.ops(impl)
     head_size_v = head_size_v or head_size
     origins = cfg.origins(0, num_kv_heads)
@@ -155,8 +158,12 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     q = [torch.randn(n, num_kv_heads * group, head_size, generator=gen).to(dtype) for n in lengths]
     k = [(torch.randn(n, num_kv_heads, head_size, generator=gen) * 2).to(dtype) for n in lengths]
     v = [torch.randn(n, num_kv_heads, head_size_v, generator=gen).to(dtype) for n in lengths]
+    logit_options = {"softcap": softcap} if softcap else {}
+    if sinks:
+        logit_options["sinks"] = torch.randn(num_kv_heads * group, generator=gen) * 2  # [Hq]
     want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5,
-                                        origins=req_origins[r]) for r in range(len(lengths))]
+                                        origins=req_origins[r], **logit_options) for r in range(len(lengths))]
+    logit_options = {name: value.to(device) if name == "sinks" else value for name, value in logit_options.items()}
     done, num_steps, mixed_steps = [0] * len(lengths), 0, 0
     while any(d < n for d, n in zip(done, lengths)):
         steps = []
@@ -189,7 +196,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
         assert not pager.raw[0].isfinite().any(), "a row was written to the null page"
         _write_chunks(ops, pager, step_rows, plan.writes, cfg, head_size, tol)
         out = query.new_full((query.shape[0], query.shape[1], head_size_v), float("nan"))  # unwritten fails
-        got = ops.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out, **(attend_kwargs or {}))
+        got = ops.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out, **logit_options,
+                         **(attend_kwargs or {}))
         assert got is out, "attend did not write into out="
         for (r, lo, hi), rows in zip(steps, torch.split(out, [hi - lo for _, lo, hi in steps])):
             pager.check_pages_complete(r, lo, hi)
@@ -242,6 +250,10 @@ KERNEL_SHAPES = [
     ("overlap", dict(group=4, dtype=torch.bfloat16, tol=3e-2)),
     ("stagger-heads", dict(group=2, dtype=torch.float16, tol=1e-2, attend_kwargs=dict(num_splits=2))),
 ]
+
+
+# A model's logit options, as `run_schedule` takes them (Gemma 2's cap; GPT-OSS's sinks).
+LOGIT_OPTIONS = {"softcap": dict(softcap=4.0), "sinks": dict(sinks=True), "softcap-sinks": dict(softcap=4.0, sinks=True)}
 
 
 def run_shape(name: str, options: dict, impl: str, device: str = "cpu") -> int:

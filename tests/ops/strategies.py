@@ -47,6 +47,25 @@ def sdpa(q, k, v):
     return out.transpose(0, 1)
 
 
+def capped_sink_attention(q, k, v, softcap: float, sinks):
+    """Causal attention written out: logits q.k / sqrt(D), capped to
+    softcap * tanh(x / softcap) when softcap > 0, a sink logit per query head
+    ``[H]`` (or None) in each softmax's denominator. [T, H, D] -> [T, H, Dv]."""
+    seq_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    out = torch.empty(seq_len, num_heads, v.shape[-1])
+    for h in range(num_heads):
+        keys, values = k[:, h // group], v[:, h // group]  # [T, D], [T, Dv]
+        logits = q[:, h] @ keys.T / head_dim ** 0.5  # [T, T]
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(torch.ones(seq_len, seq_len).triu(1).bool(), float("-inf"))
+        if sinks is not None:
+            logits = torch.cat([logits, sinks[h].expand(seq_len, 1)], dim=1)  # [T, T + 1]
+        out[:, h] = logits.softmax(dim=-1)[:, :seq_len] @ values
+    return out
+
+
 def pick_origins(draw_origins, cfg: ChunkedKVConfig, num_kv_heads: int):
     return [o % cfg.hop for o in draw_origins[:num_kv_heads]]
 

@@ -5,7 +5,8 @@ Through `schedule.run_schedule` (a simulated vLLM pager; reading a dropped
 raw row, even masked, fails): sequences fed in random step splits (prefill,
 chunked prefill, single-token decodes, mixed batches) give, at every step,
 the outputs of `reference_chunked_attention` over the whole sequence within
-1e-5, for every mitigation, pooling mode, sinks and staggered grids; also
+1e-5, for every mitigation, pooling mode, sinks and staggered grids, and
+with a model's logit cap and learned sink logits (`LOGIT_OPTIONS`); also
 with every row given its page (prefix caching on), where every row a step
 computes must land in its page (a later request may hit it).
 
@@ -31,7 +32,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import compressed, dispatch
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE
 
-from .schedule import CONFIGS, run_schedule
+from .schedule import CONFIGS, LOGIT_OPTIONS, run_schedule
 
 
 def test_step_gains_are_made_once_per_gains():
@@ -53,6 +54,13 @@ def test_paged_steps_equal_reference(name, seed):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     lengths = [random.Random(seed).randint(1, 60) for _ in range(3)] + [4 * cfg.window + 9]
     run_schedule(cfg, lengths, seed)
+
+
+@pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
+@pytest.mark.parametrize("name", ["boundary-gated", "stagger-heads", "none-sinks"])
+def test_logit_cap_and_sinks_equal_reference(name, options):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, [37, 2 * cfg.window + 11, 4 * cfg.window + 9], seed=3, **LOGIT_OPTIONS[options]) > 4
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

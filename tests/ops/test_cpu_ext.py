@@ -25,7 +25,9 @@ requests; one schedule of 2,000 tokens; every instruction set this CPU has
 than keys, heads that are not whole vectors, several query tiles per
 request, split contexts, decode-only batches, caches with head-major strides
 and padded rows, fp32 queries over bf16 caches, and bf16 queries with fp32
-step rows into an fp16 ``out`` (against `compressed.attend`). The kernels
+step rows into an fp16 ``out`` (against `compressed.attend`); a model's
+logit cap and learned sink logits (`LOGIT_OPTIONS`) with split contexts,
+query tiles and bf16. The kernels
 really run: their call counters grow while the PyTorch ops are disabled.
 """
 
@@ -43,7 +45,7 @@ from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
 from . import schedule
-from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, kernel_lengths, run_cache_layout,
+from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, kernel_lengths, run_cache_layout,
                        run_schedule, run_shape)
 
 torch.set_num_threads(1)
@@ -214,6 +216,21 @@ def test_every_instruction_set(module, isa, name, dtype):
 ])
 def test_shapes_tiles_splits_and_dtypes(module, name, options):
     assert run_shape(name, options, "cpp") > 4
+
+
+LOGIT_SHAPES = {
+    "boundary-gated": {},
+    "stagger-heads": dict(attend_kwargs=dict(num_splits=3, block_m=5)),  # the sink in one split's softmax only
+    "none-sinks": dict(group=4, dtype=torch.bfloat16, tol=TOLERANCE[torch.bfloat16], attend_kwargs=dict(block_m=5)),
+}
+
+
+@pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
+@pytest.mark.parametrize("name", list(LOGIT_SHAPES))
+def test_logit_cap_and_sinks_equal_reference(module, name, options):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    shape = {"tol": 1e-4, **LOGIT_SHAPES[name]}
+    assert run_schedule(cfg, kernel_lengths(cfg, 8), seed=8, impl="cpp", **shape, **LOGIT_OPTIONS[options]) > 4
 
 
 @pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))

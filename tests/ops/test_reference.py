@@ -1,7 +1,9 @@
 """Contract of vllm_chunked_kv.ops.reference, the ground truth of docs/design.md §3-4 and §10.
 
 - With nothing sealed (window >= length) or chunk_size == hop == 1 it is
-  causal attention (torch SDPA, GQA) within 1e-5.
+  causal attention (torch SDPA, GQA) within 1e-5; with a logit cap and
+  learned sinks, chunk 1 is causal attention with the cap and the sinks
+  written out, and each of them changes the output.
 - The output at position t depends only on tokens <= t.
 - The visible set follows the seal rule by hand (sinks, boundaries, origins).
 - Rows kept per chunk_size tokens match the docs/design.md §4 table.
@@ -23,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.ops.strategies import ORIGINS, configs, pick_origins, qkv, sdpa
+from tests.ops.strategies import ORIGINS, capped_sink_attention, configs, pick_origins, qkv, sdpa
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.reference import pool_chunk, reference_chunked_attention, visible_set
@@ -47,6 +49,17 @@ def test_unit_chunks_are_causal_attention(window, sinks, seq_len, group):
     cfg = ChunkedKVConfig(chunk_size=1, window=window, sink_tokens=sinks)
     q, k, v = qkv(seq_len, 2 * group, 2)
     torch.testing.assert_close(reference_chunked_attention(q, k, v, cfg), sdpa(q, k, v), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(3.0, False), (0.0, True), (3.0, True)])
+def test_unit_chunks_with_cap_and_sinks_are_causal_attention(softcap, with_sinks):
+    cfg = ChunkedKVConfig(chunk_size=1, window=4, sink_tokens=2)
+    q, k, v = qkv(30, 6, 2)
+    q = q * 3  # logits past the cap
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(5)) * 2 if with_sinks else None
+    got = reference_chunked_attention(q, k, v, cfg, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(got, capped_sink_attention(q, k, v, softcap, sinks), atol=1e-5, rtol=0)
+    assert not torch.allclose(got, reference_chunked_attention(q, k, v, cfg), atol=1e-3)
 
 
 @FAST

@@ -88,17 +88,22 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
-           plan: StepPlan, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+           plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query token of the step: query ``[n, Hq, D]``,
     step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V) -> ``[n, Hq, Dv]`` in the
     query dtype (fp32 math), written into ``out`` when given. The plan must
-    carry its bias (`build_plan(..., bias=True)`).
+    carry its bias (`build_plan(..., bias=True)`). ``softcap`` (0: none) and
+    ``sinks`` ``[Hq]`` (None: none) are the model's logit cap and learned
+    sink logits (`reference.softmax_weights`).
 
     Each key set's rows are gathered per KV head (``[b, Hkv, N, Dk + Dv]``,
     three parts: stored raw rows, the step's own rows, compressed slots) and
     enter one softmax: for the batched single-token queries without copying
     the parts into one tensor, for a multi-token request through PyTorch's
-    fused attention over the concatenated rows (it never holds all logits).
+    fused attention over the concatenated rows (it never holds all logits),
+    or, with a cap or sinks, which it cannot apply, the parts' softmax over
+    `QUERY_SLICE` queries at a time.
     """
     n, num_heads, head_size = query.shape
     num_kv_heads = raw_cache.shape[1]
@@ -117,8 +122,13 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         q = query[keys.query_index].float()  # [b, L, Hq, D]
         q = q.view(b, num_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [b, Hkv, G, L, D]
         parts = [part.float() for part in (raw, own, slots)]
+        head_sinks = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1)
         if num_q == 1:
-            o = _attend_parts(q, parts, keys.bias, scale, head_size)  # [b, Hkv, G, 1, Dv]
+            o = _attend_parts(q, parts, keys.bias, scale, head_size, softcap, head_sinks)  # [b, Hkv, G, 1, Dv]
+        elif softcap > 0 or sinks is not None:  # one request, its queries a slice at a time
+            o = torch.cat([_attend_parts(q[:, :, :, lo:lo + QUERY_SLICE], parts, keys.bias[:, :, lo:lo + QUERY_SLICE],
+                                         scale, head_size, softcap, head_sinks)
+                           for lo in range(0, num_q, QUERY_SLICE)], dim=3)  # [1, Hkv, G, L, Dv]
         else:  # one request: a fused kernel over the concatenated rows
             kv = torch.cat(parts, dim=2)[0]  # [Hkv, N, Dk + Dv]
             o = F.scaled_dot_product_attention(
@@ -127,6 +137,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         o = o.permute(0, 3, 1, 2, 4)  # [b, L, Hkv, G, Dv]
         out[keys.query_index] = o.reshape(b, num_q, num_heads, -1).to(out.dtype)  # [b, L, Hq, Dv]
     return out
+
+
+QUERY_SLICE = 256  # queries of a multi-token request whose logits are held at once (cap or sinks)
 
 
 def attend_output(query: torch.Tensor, raw_cache: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -175,15 +188,16 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) ->
 
 
 def _attend_parts(q: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor, scale: float,
-                  head_size: int) -> torch.Tensor:
+                  head_size: int, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One softmax over several row sets without copying them into one tensor:
     q ``[b, Hkv, G, L, D]``, parts ``[b, Hkv, N_i, Dk + Dv]``, bias ``[b, Hkv, L,
-    sum N_i]`` -> ``[b, Hkv, G, L, Dv]``."""
+    sum N_i]``, sinks ``[1, Hkv, G, 1, 1]`` or None -> ``[b, Hkv, G, L, Dv]``."""
     b, num_kv_heads, group, num_q, _ = q.shape
     q = q.reshape(b, num_kv_heads, group * num_q, head_size) * scale  # [b, Hkv, G*L, D]
     logits = torch.cat([q @ part[..., :head_size].transpose(-1, -2) for part in parts], dim=-1)  # [b, Hkv, G*L, N]
-    logits = logits.view(b, num_kv_heads, group, num_q, -1) + bias[:, :, None]  # [b, Hkv, G, L, N]
-    probs = logits.softmax(dim=-1).view(b, num_kv_heads, group * num_q, -1)  # [b, Hkv, G*L, N]
+    logits = logits.view(b, num_kv_heads, group, num_q, -1)  # [b, Hkv, G, L, N]
+    probs = reference.softmax_weights(logits, bias[:, :, None], softcap=softcap, sinks=sinks)  # [b, Hkv, G, L, N]
+    probs = probs.view(b, num_kv_heads, group * num_q, -1)  # [b, Hkv, G*L, N]
     sizes = [part.shape[2] for part in parts]
     out = sum(p @ part[..., head_size:] for p, part in zip(probs.split(sizes, dim=-1), parts))  # [b, Hkv, G*L, Dv]
     return out.view(b, num_kv_heads, group, num_q, -1)

@@ -46,6 +46,7 @@ SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_k
            "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
 HEADERS = ("chunked_kv_cpu.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_cpu_simd.h",
            "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h", "chunked_kv_cpu_write.h", "chunked_kv_cpu_plan.h")
+NO_SINKS = torch.empty(0)  # `attend`'s sinks argument for a model without them
 MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
 
@@ -163,13 +164,14 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-           block_m: int | None = None) -> torch.Tensor:
+           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
-    ``out`` when given. ``num_splits``: work items per (tile, KV head), each
-    over a contiguous share of the keys (None: enough to occupy torch's
-    threads). ``block_m``: queries per tile of a multi-token request (None:
-    128 query rows)."""
+    ``out`` when given, with the model's logit cap and sink logits ``[Hq]``
+    as there. ``num_splits``: work items per (tile, KV head), each over a
+    contiguous share of the keys (None: enough to occupy torch's threads).
+    ``block_m``: queries per tile of a multi-token request (None: 128 query
+    rows)."""
     module = _module()
     out, group = compressed.attend_output(query, raw_cache, out)
     n, num_heads, head_dv = out.shape
@@ -187,9 +189,10 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
     q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
     key_args, shared = derived(plan, ("cpp", scale), lambda: compressed.kernel_args(plan, scale, page_tables=True))
+    sink_logits = NO_SINKS if sinks is None else sinks.to(torch.float32).contiguous()  # [Hq]
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      *args, *shared, tile, splits)
+                      *args, *shared, tile, splits, float(softcap), sink_logits)
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -248,14 +248,16 @@ def split_attend(decode_attend: Callable, prefill_attend: Callable) -> Callable:
     copied into the output: an implementation may write rows outside its
     key sets."""
 
-    def attend(query, step_rows, comp_cache, raw_cache, plan: StepPlan, scale: float, out=None):
+    def attend(query, step_rows, comp_cache, raw_cache, plan: StepPlan, scale: float, out=None, **logit_options):
         decodes = [keys for keys in plan.key_sets if keys.query_index.shape[1] == 1]
         pieces = [keys for keys in plan.key_sets if keys.query_index.shape[1] > 1]
         if not decodes or not pieces:
             run = decode_attend if decodes else prefill_attend
-            return run(query, step_rows, comp_cache, raw_cache, plan, scale, out=out)
-        out = decode_attend(query, step_rows, comp_cache, raw_cache, replace(plan, key_sets=decodes), scale, out=out)
-        piece_out = prefill_attend(query, step_rows, comp_cache, raw_cache, replace(plan, key_sets=pieces), scale)
+            return run(query, step_rows, comp_cache, raw_cache, plan, scale, out=out, **logit_options)
+        out = decode_attend(query, step_rows, comp_cache, raw_cache, replace(plan, key_sets=decodes), scale, out=out,
+                            **logit_options)
+        piece_out = prefill_attend(query, step_rows, comp_cache, raw_cache, replace(plan, key_sets=pieces), scale,
+                                   **logit_options)
         rows = torch.cat([keys.query_index.reshape(-1) for keys in pieces])  # [P] the pieces' tokens
         out[rows] = piece_out[rows].to(out.dtype)
         return out

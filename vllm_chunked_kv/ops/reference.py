@@ -15,7 +15,11 @@ KV head:
 - one compressed row per sealed chunk, pooled over its (interior)
   positions, sinks included, with logit bias ``log(n)`` when proportional;
   a chunk lying wholly inside the sinks gets no row;
-- one softmax over raw positions and compressed rows.
+- one softmax over raw positions and compressed rows (`softmax_weights`):
+  the scaled logits soft-capped first when the model caps them
+  (``softcap * tanh(x / softcap)``, Gemma 2), then the pooled rows' bias
+  added; a model's learned sink logit per query head (GPT-OSS) joins the
+  denominator and carries no value.
 
 With dynamic boundaries (``boundaries: dynamic``) the grid above is the
 storage grid of units (`ChunkedKVConfig.storage_grid`) and the compressed
@@ -107,6 +111,22 @@ def pool_chunk(
 # ------------------------------------------------------------------ attention
 
 
+def softmax_weights(logits: torch.Tensor, bias: torch.Tensor, *, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention weights from scaled logits ``[..., N]``: soft-capped when
+    ``softcap > 0``, plus ``bias`` (broadcast: the pooled rows' log weight,
+    -inf where hidden), softmax over N; with ``sinks`` ``[..., 1]`` (a learned
+    logit per query row, broadcast) in the denominator too -> ``[..., N]``,
+    summing to 1 less the sink's share."""
+    if softcap > 0:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits + bias
+    if sinks is None:
+        return logits.softmax(dim=-1)
+    full = torch.cat([logits, sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)], dim=-1)  # [..., N + 1]
+    return full.softmax(dim=-1)[..., :-1]
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q ``[T, num_heads, D]``, k ``[T, num_kv_heads, D]``, v ``[T, num_kv_heads, Dv]``,
     num_heads a multiple of num_kv_heads."""
@@ -124,13 +144,17 @@ def reference_chunked_attention(
     *,
     scale: float | None = None,
     origins: Sequence[int] | torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal chunked attention over one sequence, one query and head at a time.
 
     q ``[T, num_heads, head_dim]``; k, v ``[T, num_kv_heads, head_dim]`` with
     keys after RoPE; query head ``i`` reads KV head ``i // (num_heads /
     num_kv_heads)``; origins: one grid origin per KV head in ``[0, hop)``
-    (None: all 0). Returns ``[T, num_heads, Dv]`` in q's dtype, computed in fp32.
+    (None: all 0); softcap: the model's logit cap (0: none); sinks
+    ``[num_heads]``: its learned sink logits (None: none). Returns ``[T,
+    num_heads, Dv]`` in q's dtype, computed in fp32.
     """
     check_shapes(q, k, v)
     seq_len, num_heads, head_dim = q.shape
@@ -165,6 +189,7 @@ def reference_chunked_attention(
             values = torch.cat([v[raw, h], *(pooled[h, c][1][None] for c in chunks)])  # [R + C, Dv]
             bias = torch.cat([k.new_zeros(len(raw)), *(pooled[h, c][2][None] for c in chunks)])  # [R + C]
             queries = q[t, h * group:(h + 1) * group].float()  # [group, D]: the query heads reading head h
-            probs = (queries @ keys.T * scale + bias).softmax(dim=-1)  # [group, R + C]
+            head_sinks = None if sinks is None else sinks[h * group:(h + 1) * group, None].float()  # [group, 1]
+            probs = softmax_weights(queries @ keys.T * scale, bias, softcap=softcap, sinks=head_sinks)  # [group, R + C]
             out[t, h * group:(h + 1) * group] = probs @ values  # [group, Dv]
     return out.to(q.dtype)
