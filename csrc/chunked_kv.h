@@ -71,6 +71,8 @@ struct AttendArgs {
   int tile_q;       // queries of one block
   int num_splits;   // blocks per (tile, KV head), each folding every num_splits-th key block
   float scale, log_weight;
+  float softcap;       // the model's logit cap: logit = softcap * tanh(logit / softcap); 0: none
+  const float* sinks;  // [num_heads] the model's learned sink logits (in each softmax's denominator), or null
 };
 
 // Merge the split partials of attend into out [num_tokens, num_heads, head_dv].

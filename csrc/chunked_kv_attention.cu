@@ -156,6 +156,7 @@ __device__ __forceinline__ void fold(const AttendArgs& a, const Tile& t, const S
         const float* k = sh.kv + n * kv_stride;
         float dot = 0.f;
         for (int d = 0; d < a.head_d; ++d) dot += q[d] * k[d];
+        if (a.softcap > 0.f) dot = a.softcap * tanhf(dot / a.softcap);  // the model's logit cap, before the bias
         logit = dot + sh.key_bias[n];
       }
       sh.p[r * kProbStride + n] = logit;
@@ -216,8 +217,9 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
     sh.row_t[r] = t_lo + m;
     sh.row_raw_from[r] = s.raw_from;
     sh.row_slot_limit[r] = a.slots_per_group * (s.sealed + t.first_group);
-    sh.m[r] = kNegBig;
-    sh.l[r] = 0.f;
+    const bool sink = a.sinks != nullptr && t.split == 0;  // a learned sink logit: in the denominator, no value
+    sh.m[r] = sink ? a.sinks[sh.row_head[r]] : kNegBig;
+    sh.l[r] = sink ? 1.f : 0.f;
   }
   for (int e = tid; e < t.rows * a.head_dv; e += kThreads) sh.acc[e] = 0.f;
   __syncthreads();

@@ -82,3 +82,8 @@ def tiny_llama(test_models_dir):
 @pytest.fixture(scope="session")
 def tiny_qwen(test_models_dir):
     return models.build_tiny_qwen(test_models_dir / "tiny-qwen")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(test_models_dir):
+    return models.build_tiny_gemma2(test_models_dir / "tiny-gemma2")

@@ -254,6 +254,21 @@ KERNEL_SHAPES = [
 
 # A model's logit options, as `run_schedule` takes them (Gemma 2's cap; GPT-OSS's sinks).
 LOGIT_OPTIONS = {"softcap": dict(softcap=4.0), "sinks": dict(sinks=True), "softcap-sinks": dict(softcap=4.0, sinks=True)}
+# The kernels' shapes checked with each of them: a split context (the sink in split 0's softmax only), query
+# tiles, bf16.
+LOGIT_SHAPES = {
+    "boundary-gated": {},
+    "stagger-heads": dict(attend_kwargs=dict(num_splits=3, block_m=5)),
+    "none-sinks": dict(group=4, dtype=torch.bfloat16, tol=3e-2, attend_kwargs=dict(block_m=5)),
+}
+
+
+def run_logit_shape(name: str, options: str, impl: str, device: str = "cpu") -> int:
+    """One of the LOGIT_SHAPES with one of the LOGIT_OPTIONS through ``impl``."""
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    shape = {"tol": 1e-4, **LOGIT_SHAPES[name]}
+    return run_schedule(cfg, kernel_lengths(cfg, 8), seed=8, impl=impl, device=device, **shape,
+                        **LOGIT_OPTIONS[options])
 
 
 def run_shape(name: str, options: dict, impl: str, device: str = "cpu") -> int:

@@ -45,8 +45,8 @@ from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
 from vllm_chunked_kv.ops.step_plan import ChunkWrites
 
 from . import schedule
-from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, kernel_lengths, run_cache_layout,
-                       run_schedule, run_shape)
+from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,
+                       run_cache_layout, run_logit_shape, run_schedule, run_shape)
 
 torch.set_num_threads(1)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -218,19 +218,10 @@ def test_shapes_tiles_splits_and_dtypes(module, name, options):
     assert run_shape(name, options, "cpp") > 4
 
 
-LOGIT_SHAPES = {
-    "boundary-gated": {},
-    "stagger-heads": dict(attend_kwargs=dict(num_splits=3, block_m=5)),  # the sink in one split's softmax only
-    "none-sinks": dict(group=4, dtype=torch.bfloat16, tol=TOLERANCE[torch.bfloat16], attend_kwargs=dict(block_m=5)),
-}
-
-
 @pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
 @pytest.mark.parametrize("name", list(LOGIT_SHAPES))
 def test_logit_cap_and_sinks_equal_reference(module, name, options):
-    cfg = ChunkedKVConfig(**CONFIGS[name])
-    shape = {"tol": 1e-4, **LOGIT_SHAPES[name]}
-    assert run_schedule(cfg, kernel_lengths(cfg, 8), seed=8, impl="cpp", **shape, **LOGIT_OPTIONS[options]) > 4
+    assert run_logit_shape(name, options, "cpp") > 4
 
 
 @pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))

@@ -24,8 +24,10 @@ call), for every setting of `schedule.CONFIGS` with GQA 1 and 4 and lengths
 63 and 100 among the requests; for GQA 3, values wider than keys, heads wider
 than a block's threads, several query tiles per request, split contexts,
 decode-only batches, bf16 and fp16, fp32 queries over bf16 caches, and
-caches with head-major strides and padded rows; bf16 queries with fp32 step
-rows into an fp16 ``out`` equal `compressed.attend`. The emulation fails
+caches with head-major strides and padded rows; a model's logit cap and
+learned sink logits (`LOGIT_OPTIONS`) with split contexts, query tiles and
+bf16; bf16 queries with fp32 step rows into an fp16 ``out`` equal
+`compressed.attend`. The emulation fails
 the schedule when a barrier of the attention kernel is removed (a race).
 The binding rejects rows that are not contiguous; `unsupported` reports a
 decode tile beyond the device's shared memory, and multi-token tiles shrink
@@ -33,7 +35,8 @@ to fit it.
 
 On a GPU (skipped, with the reason, elsewhere): the extension builds, and
 the same schedules equal the reference for every setting of
-`schedule.CONFIGS`, GQA 1 and 4, fp32 and bf16, and the shapes above.
+`schedule.CONFIGS`, GQA 1 and 4, fp32 and bf16, and the shapes and logit
+options above.
 """
 
 import importlib.util
@@ -51,8 +54,8 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import cuda_ext
 
 from . import schedule
-from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, kernel_lengths, run_cache_layout,
-                       run_schedule, run_shape)
+from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,
+                       run_cache_layout, run_logit_shape, run_schedule, run_shape)
 
 CSRC = Path(cuda_ext.SOURCES_DIR)
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
@@ -261,6 +264,12 @@ def test_emulated_shapes_tiles_splits_and_dtypes(emulated, name, options):
     assert run_shape(name, options, "cuda") > 4
 
 
+@pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
+@pytest.mark.parametrize("name", list(LOGIT_SHAPES))
+def test_emulated_logit_cap_and_sinks_equal_reference(emulated, name, options):
+    assert run_logit_shape(name, options, "cuda") > 4
+
+
 @pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))
 def test_emulated_cache_layouts(emulated, monkeypatch, layout):
     """Strided (head-major, NaN-padded) caches; fp32 queries over bf16 caches."""
@@ -342,3 +351,10 @@ def test_gpu_steps_equal_reference(name, group, dtype, tol):
 @pytest.mark.parametrize("name, options", KERNEL_SHAPES)
 def test_gpu_shapes_tiles_splits_and_dtypes(name, options):
     assert run_shape(name, options, "cuda", "cuda") > 4
+
+
+@gpu
+@pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
+@pytest.mark.parametrize("name", list(LOGIT_SHAPES))
+def test_gpu_logit_cap_and_sinks_equal_reference(name, options):
+    assert run_logit_shape(name, options, "cuda", "cuda") > 4

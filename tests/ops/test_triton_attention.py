@@ -14,6 +14,8 @@ before the call), for:
 - GQA 3 (not a power of two), values wider than keys, several query tiles
   per request, a context split across several programs, decode-only
   batches, bf16 caches (bf16 tolerance);
+- a model's logit cap and learned sink logits (`LOGIT_OPTIONS`), with a
+  split context and query tiles;
 
 and the kernels as `attend`/`write_chunks` launch them compile ahead of time
 for sm_80/sm_90 (not run). The split count, a kernel constant, takes
@@ -26,7 +28,7 @@ import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 
-from .schedule import CONFIGS, kernel_lengths
+from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -62,6 +64,17 @@ def test_shapes_tiles_splits_and_dtypes(triton_ops, name, options):
     triton_ops.schedule.run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="triton", **options)
 
 
+@pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
+@pytest.mark.parametrize("name, shape", [
+    ("boundary-gated", dict(group=2)),
+    ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),  # the sink in split 0 only
+])
+def test_logit_cap_and_sinks_equal_reference(triton_ops, name, shape, options):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert triton_ops.schedule.run_schedule(cfg, kernel_lengths(cfg, 9), seed=9, impl="triton", tol=1e-4, **shape,
+                                            **LOGIT_OPTIONS[options]) > 4
+
+
 def test_split_counts_are_bucketed(triton_ops):
     buckets = [triton_ops.attention.split_bucket(n) for n in range(0, 40)]
     assert set(buckets) == {1, 2, 4, 8, 16, 32}
@@ -92,16 +105,24 @@ def test_attention_compiles_at_every_head_size(compile_for_gpu, head, tile_m, ar
     _compile_attention(compile_for_gpu, "bf16", dict(chunk_size=4, window=128), 4, tile_m, 2, arch, head=head)
 
 
-def _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, arch, *, head):
+@pytest.mark.parametrize("tile_m", [1, 16])
+@pytest.mark.slow
+def test_attention_with_cap_and_sinks_compiles(compile_for_gpu, tile_m):
+    """With a logit cap and sink logits, decode and prefill tiles compile for sm_90."""
+    _compile_attention(compile_for_gpu, "bf16", dict(chunk_size=4, window=128), 4, tile_m, 2, 90, head=128,
+                       logits=dict(softcap=True, sinks=True))
+
+
+def _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, arch, *, head, logits=None):
     from vllm_chunked_kv.ops import triton_attention
     from vllm_chunked_kv.ops.step_plan import StepPlan
 
     cfg = ChunkedKVConfig(**settings)
     plan = StepPlan(cfg=cfg, raw_writes=None, writes=None, key_sets=[])
     constants = triton_attention.launch_constants(plan, num_heads=8 * group, num_kv_heads=8, head_d=head,
-                                                  head_dv=head, tile_m=tile_m, splits=splits)
+                                                  head_dv=head, tile_m=tile_m, splits=splits, **(logits or {}))
     pointers = {name: f"*{dtype}" for name in ("q_ptr", "step_ptr", "raw_ptr", "comp_ptr", "out_ptr")}
-    pointers |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "origins_ptr": "*i32"}
+    pointers |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "origins_ptr": "*i32", "sinks_ptr": "*fp32"}
     pointers |= {name: "*i64" for name in ("q_index_ptr", "q_pos_ptr", "raw_blocks_ptr", "raw_offsets_ptr",
                                            "raw_pos_ptr", "comp_blocks_ptr", "comp_offsets_ptr", "num_raw_ptr",
                                            "num_slots_ptr")}

@@ -74,6 +74,11 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        """Learned attention sinks (GPT-OSS): every kernel has them."""
+        return True
+
+    @classmethod
     def validate_selector_config(cls, selector) -> list[str]:
         """Readable reasons why this backend cannot serve `selector` (empty: it can)."""
         fields = selector._asdict()
@@ -277,9 +282,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         unsupported = {
             "ALiBi": alibi_slopes is not None,
             "a model sliding window": sliding_window is not None,
-            "logit soft-capping": bool(logits_soft_cap),
             "KV sharing across layers": kv_sharing_target_layer_name is not None,
-            "learned attention sinks": sinks is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
         bad = [name for name, present in unsupported.items() if present]
@@ -291,6 +294,8 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = None
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)  # the model's logit cap (Gemma 2); 0: none
+        self.sinks = sinks  # [Hq] the model's learned sink logits (GPT-OSS), filled when weights load; or None
         vllm_config = get_current_vllm_config()
         self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
         settings.remember(self.config)
@@ -356,7 +361,8 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
         if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
             out = None
-        result = ops.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale, out=out)
+        result = ops.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale, out=out,
+                            softcap=self.logits_soft_cap, sinks=self.sinks)
         if result is not out:
             output[:n].view_as(result).copy_(result)
         return output

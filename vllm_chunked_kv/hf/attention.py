@@ -35,6 +35,7 @@ import torch
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.masked import extended_kv
+from vllm_chunked_kv.ops.reference import softmax_weights
 
 ATTN_NAME = "chunked_kv"
 _CONFIG_ATTR = "chunked_kv_config"
@@ -55,7 +56,11 @@ def chunked_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention-function signature: query [b, H, T, D], key/value [b, Hkv, T, D]."""
+    """transformers attention-function signature: query [b, H, T, D], key/value [b, Hkv, T, D];
+    the model's logit cap (``softcap``, Gemma 2) and learned sink logits
+    (``s_aux`` [H], GPT-OSS) as `reference.softmax_weights` applies them."""
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("chunked attention in transformers does not serve sliding-window layers")
     cfg: ChunkedKVConfig = getattr(module, _CONFIG_ATTR).for_layer(module.layer_idx)  # its own gains, if per layer
     batch, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -80,7 +85,10 @@ def chunked_attention_forward(
     bias = ext.bias.view(seq_len, batch, num_kv_heads, ext_len).permute(1, 2, 0, 3)  # [b, Hkv, T, T+N]
     grouped_q = query.float().view(batch, num_kv_heads, group, seq_len, head_dim)  # [b, Hkv, G, T, D]
     logits = torch.matmul(grouped_q, keys.unsqueeze(2).transpose(-1, -2)) * scaling  # [b, Hkv, G, T, T+N]
-    probs = (logits + bias.unsqueeze(2)).softmax(dim=-1)  # [b, Hkv, G, T, T+N]
+    sinks = kwargs.get("s_aux")
+    sinks = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1)
+    probs = softmax_weights(logits, bias.unsqueeze(2), softcap=kwargs.get("softcap") or 0.0,
+                            sinks=sinks)  # [b, Hkv, G, T, T+N]
     observer = getattr(module, _OBSERVER_ATTR, (None,))[0]
     if observer is not None:
         observer(module.layer_idx, probs, folded_k, origins)

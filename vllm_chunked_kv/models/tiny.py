@@ -1,10 +1,12 @@
 """Tiny random-weight decoder models, built locally for tests (no model hub).
 
-Two architectures are built, both small enough to load in a second:
+Three architectures are built, each small enough to load in a second:
 
 - `tiny-llama`: LlamaForCausalLM, 2 layers, 4 query heads, 2 KV heads (GQA 2).
 - `tiny-qwen`:  Qwen2ForCausalLM, 2 layers, 8 query heads, 2 KV heads (GQA 4),
   with q/k/v biases as Qwen2 has them.
+- `tiny-gemma2`: Gemma2ForCausalLM, 2 global layers, 4 query heads of 32, 2
+  KV heads, attention logits soft-capped at 2 (low enough to bite).
 
 Both use a word-level tokenizer (one token per whitespace-separated word) and
 a chat template, so `/v1/completions` and `/v1/chat/completions` both work.
@@ -36,6 +38,13 @@ ARCHS: dict[str, dict] = {
     "tiny-qwen": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_attention_heads=8,
         num_key_value_heads=2, hidden_size=256, intermediate_size=384, use_sliding_window=False,
+    ),
+    "tiny-gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, hidden_size=128, intermediate_size=256,
+        attn_logit_softcapping=2.0, final_logit_softcapping=None, layer_types=["full_attention"] * 2,
+        sliding_window=4096,  # unused (no sliding layer); transformers builds the mask type regardless
+        embed_scale=128 ** -0.5,  # Gemma multiplies embeddings by sqrt(hidden)
     ),
 }
 
@@ -82,18 +91,20 @@ def build_model(name: str, path: str | Path, *, seed: int = 0, init_std: float =
     vocab = vocabulary()
     arch = dict(ARCHS[name])
     model_type = arch.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=len(vocab), num_hidden_layers=2, max_position_embeddings=4096,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=vocab.index("<bos>"),
-        eos_token_id=vocab.index("<eos>"), pad_token_id=vocab.index("<pad>"), torch_dtype="float32",
-        initializer_range=init_std, **arch,
+    embed_scale = arch.pop("embed_scale", 1.0)
+    settings = dict(
+        vocab_size=len(vocab), num_hidden_layers=2, max_position_embeddings=4096, rope_theta=10000.0,
+        tie_word_embeddings=True, bos_token_id=vocab.index("<bos>"), eos_token_id=vocab.index("<eos>"),
+        pad_token_id=vocab.index("<pad>"), torch_dtype="float32", initializer_range=init_std,
     )
+    config = AutoConfig.for_model(model_type, **{**settings, **arch})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, init_std)  # Qwen2 q/k/v biases: make them matter
+        model.get_input_embeddings().weight.mul_(embed_scale)
     model.save_pretrained(str(path))
     save_word_tokenizer(path, vocab)
     return path
@@ -105,6 +116,10 @@ def build_tiny_llama(path: str | Path) -> Path:
 
 def build_tiny_qwen(path: str | Path) -> Path:
     return build_model("tiny-qwen", path, seed=1)
+
+
+def build_tiny_gemma2(path: str | Path) -> Path:
+    return build_model("tiny-gemma2", path, seed=2)
 
 
 def random_prompt(rng, num_words: int) -> str:

@@ -175,10 +175,11 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-           block_m: int | None = None) -> torch.Tensor:
+           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
-    ``out`` when given. ``num_splits``: blocks per tile and KV head (None:
+    ``out`` when given, with the model's logit cap and sink logits ``[Hq]``
+    as there. ``num_splits``: blocks per tile and KV head (None:
     enough to fill the device). ``block_m``: queries per tile of a
     multi-token request (None: up to 32 query rows, as shared memory allows)."""
     module = _module()
@@ -201,9 +202,10 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=query.device)
     key_args, shared = compressed.kernel_args(plan, scale)
+    sink_logits = query.new_empty(0) if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
     for (_, tile), args in zip(tiles, key_args):
         module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *shared,
-                      tile, splits)
+                      tile, splits, float(softcap), sink_logits.contiguous())
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -18,7 +18,7 @@ import torch
 
 from vllm_chunked_kv.core import boundaries, grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.reference import check_shapes, pool_chunk
+from vllm_chunked_kv.ops.reference import check_shapes, pool_chunk, softmax_weights
 
 
 def _origins_tensor(origins: Sequence[int] | torch.Tensor | None, num_kv_heads: int, cfg: ChunkedKVConfig, device) -> torch.Tensor:
@@ -125,8 +125,11 @@ def masked_chunked_attention(
     *,
     scale: float | None = None,
     origins: Sequence[int] | torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`reference.reference_chunked_attention`, vectorised: one masked softmax.
+    """`reference.reference_chunked_attention`, vectorised: one masked softmax
+    (with the same logit cap and sink logits ``[num_heads]``).
 
     q ``[T, num_heads, head_dim]``; k, v ``[T, num_kv_heads, head_dim]`` with
     keys after RoPE; num_heads a multiple of num_kv_heads (query head ``i``
@@ -136,19 +139,22 @@ def masked_chunked_attention(
     """
     check_shapes(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return attend_extended(q, extended_kv(k, v, cfg, origins), scale)
+    return attend_extended(q, extended_kv(k, v, cfg, origins), scale, softcap=softcap, sinks=sinks)
 
 
-def attend_extended(q: torch.Tensor, ext: ExtendedKV, scale: float) -> torch.Tensor:
+def attend_extended(q: torch.Tensor, ext: ExtendedKV, scale: float, *, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One softmax of queries ``q [L, num_heads, head_dim]`` over an extended
-    key set whose bias rows belong to those L queries; ``[L, num_heads, Dv]``
+    key set whose bias rows belong to those L queries (`reference.softmax_weights`:
+    the model's logit cap, sink logits ``[num_heads]``); ``[L, num_heads, Dv]``
     in q's dtype, fp32 math."""
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = ext.keys.shape[1]
     group = num_heads // num_kv_heads
     grouped_q = q.float().view(num_queries, num_kv_heads, group, head_dim)  # [L, Hkv, G, D]
     logits = torch.einsum("thgd,shd->hgts", grouped_q, ext.keys) * scale  # [Hkv, G, L, T + N]
-    logits = logits + ext.bias.permute(1, 0, 2).unsqueeze(1)  # bias [L, Hkv, T+N] -> [Hkv, 1, L, T+N]
-    probs = logits.softmax(dim=-1)  # [Hkv, G, L, T + N]
+    bias = ext.bias.permute(1, 0, 2).unsqueeze(1)  # [L, Hkv, T+N] -> [Hkv, 1, L, T+N]
+    head_sinks = None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1)
+    probs = softmax_weights(logits, bias, softcap=softcap, sinks=head_sinks)  # [Hkv, G, L, T + N]
     out = torch.einsum("hgts,shd->thgd", probs, ext.values)  # [L, Hkv, G, Dv]
     return out.reshape(num_queries, num_heads, ext.values.shape[-1]).to(q.dtype)  # [L, num_heads, Dv]

@@ -94,15 +94,19 @@ def _chunked_kv_load_rows(ptr, row_off, ok, COL0: tl.constexpr, WIDTH: tl.conste
 
 
 @triton.jit
-def _chunked_kv_online_update(m_i, l_i, acc, q, ptr, row_off, ok, visible, bias,
+def _chunked_kv_online_update(m_i, l_i, acc, q, ptr, row_off, ok, visible, bias, softcap,
                               HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr,
-                              DV_P2: tl.constexpr, USE_DOT: tl.constexpr):
+                              DV_P2: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold a block of ``N`` rows (keys then values at ``row_off``) into the
-    running softmax of every query row. ``m_i`` starts finite, so hidden
-    scores (-inf) give exactly 0 even before a row has seen anything."""
+    running softmax of every query row, logits capped first with
+    ``SOFTCAP``. ``m_i`` starts finite, so hidden scores (-inf) give exactly
+    0 even before a row has seen anything."""
     keys = _chunked_kv_load_rows(ptr, row_off, ok, 0, HEAD_D, D_P2)  # [N, D_P2]
     values = _chunked_kv_load_rows(ptr, row_off, ok, HEAD_D, HEAD_DV, DV_P2)  # [N, DV_P2]
-    logits = _chunked_kv_mm(q, tl.trans(keys), USE_DOT) + bias  # [ROWS, N]
+    logits = _chunked_kv_mm(q, tl.trans(keys), USE_DOT)  # [ROWS, N]
+    if SOFTCAP:  # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (e^2y + 1)
+        logits = softcap * (1.0 - 2.0 / (tl.exp(2.0 * logits / softcap) + 1.0))
+    logits = logits + bias
     logits = tl.where(visible, logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))  # [ROWS]
     alpha = tl.exp(m_i - m_new)
@@ -114,8 +118,9 @@ def _chunked_kv_online_update(m_i, l_i, acc, q, ptr, row_off, ok, visible, bias,
 
 @triton.jit
 def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t, raw_from, prefix_end, split, head64,
-                         stride_st, stride_sh, HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr,
-                         DV_P2: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr):
+                         stride_st, stride_sh, softcap, HEAD_D: tl.constexpr, D_P2: tl.constexpr,
+                         HEAD_DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the step's own rows ``lo .. hi - 1`` of a key-set row (own row
     ``i`` is token ``q_index_row[i]`` at position ``p0 + i``)."""
     n = tl.arange(0, BLOCK_N)
@@ -125,8 +130,8 @@ def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t,
         own = tl.load(q_index_row + idx, mask=ok, other=0).to(tl.int64)
         row_off = own * stride_st + head64 * stride_sh
         visible = _chunked_kv_raw_visible(p0 + idx, ok, t, raw_from, prefix_end)
-        m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, step_ptr, row_off, ok, visible, 0.0,
-                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT)
+        m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, step_ptr, row_off, ok, visible, 0.0, softcap,
+                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
     return m_i, l_i, acc
 
 
@@ -137,13 +142,15 @@ def _chunked_kv_attention_kernel(
     raw_blocks_ptr, raw_offsets_ptr, raw_pos_ptr,  # [b, Nr] contiguous
     comp_blocks_ptr, comp_offsets_ptr,  # [b, Nc] contiguous
     num_raw_ptr, num_slots_ptr, origins_ptr,  # [b], [b], [b, Hkv]
-    scale, log_weight, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
+    sinks_ptr,  # [Hq] fp32 learned sink logits (read when HAS_SINKS)
+    scale, log_weight, softcap, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
     stride_qt, stride_qh, stride_st, stride_sh, stride_rb, stride_rh, stride_rs,
     stride_cb, stride_ch, stride_cs, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr, HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr, DV_P2: tl.constexpr,
     CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     work, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = work // tiles_per_row  # row of the key set (a request)
@@ -175,6 +182,10 @@ def _chunked_kv_attention_kernel(
 
     m_i = tl.zeros([ROWS], dtype=tl.float32) + _NEG_BIG
     l_i = tl.zeros([ROWS], dtype=tl.float32)
+    if HAS_SINKS:  # a learned sink logit: in split 0's denominator from the start, no value
+        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0)  # [ROWS]
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([ROWS, DV_P2], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
 
@@ -189,8 +200,8 @@ def _chunked_kv_attention_kernel(
         offset = tl.load(raw_offsets_ptr + raw_row + idx, mask=ok, other=0).to(tl.int64)
         row_off = block * stride_rb + head64 * stride_rh + offset * stride_rs
         visible = _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end)
-        m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, raw_ptr, row_off, ok, visible, 0.0,
-                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT)
+        m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, raw_ptr, row_off, ok, visible, 0.0, softcap,
+                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
 
     # 2. the step's own rows: own row i is at position p0 + i; two disjoint
     # index ranges can be visible: the forever-raw prefix and the raw region.
@@ -198,11 +209,11 @@ def _chunked_kv_attention_kernel(
     pre_hi = tl.minimum(tl.maximum(tl.minimum(prefix_end, raw_lo) - p0, 0), tail_hi)
     tail_lo = tl.maximum(raw_lo - p0, 0)
     m_i, l_i, acc = _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_ptr + q_row, 0, pre_hi, p0, t,
-                                         raw_from, prefix_end, split, head64, stride_st, stride_sh,
-                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT)
+                                         raw_from, prefix_end, split, head64, stride_st, stride_sh, softcap,
+                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP)
     m_i, l_i, acc = _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_ptr + q_row, tail_lo, tail_hi, p0, t,
-                                         raw_from, prefix_end, split, head64, stride_st, stride_sh,
-                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT)
+                                         raw_from, prefix_end, split, head64, stride_st, stride_sh, softcap,
+                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP)
 
     # 3. compressed slots up to the last group sealed for the tile
     comp_row = row.to(tl.int64) * max_slots
@@ -216,8 +227,8 @@ def _chunked_kv_attention_kernel(
         offset = tl.load(comp_offsets_ptr + comp_row + s, mask=ok, other=0).to(tl.int64)
         row_off = block * stride_cb + head64 * stride_ch + offset * stride_cs
         bias = tl.where(pooled, log_weight, 0.0)[None, :]  # [1, BLOCK_N]
-        m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, comp_ptr, row_off, ok, visible, bias,
-                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT)
+        m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, comp_ptr, row_off, ok, visible, bias, softcap,
+                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
 
     dv = tl.arange(0, DV_P2)
     store_ok = row_ok[:, None] & (dv < HEAD_DV)[None, :]
@@ -251,8 +262,10 @@ def split_bucket(splits: int) -> int:
 
 
 def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_d: int, head_dv: int,
-                     tile_m: int, splits: int, on_gpu: bool = True) -> dict:
-    """The constexpr parameters (and num_warps) of one attention launch."""
+                     tile_m: int, splits: int, on_gpu: bool = True, softcap: bool = False,
+                     sinks: bool = False) -> dict:
+    """The constexpr parameters (and num_warps) of one attention launch
+    (``softcap``, ``sinks``: whether the model caps logits, has sink logits)."""
     cfg = plan.cfg
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
@@ -264,18 +277,20 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
         BLOCK_N=16 if INTERPRETED else 64 if max(head_d, head_dv) <= 128 else 32,  # head 256: fits shared memory
         NUM_SPLITS=splits,
         USE_DOT=rows >= 16 and head_d >= 16 and head_dv >= 16,
+        SOFTCAP=softcap, HAS_SINKS=sinks,
         num_warps=4 if rows <= 32 else 8,
     )
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-           block_m: int | None = None) -> torch.Tensor:
+           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]``, caches ``[num_blocks, Hkv, rows, D + Dv]`` (rows
     contiguous) -> ``[n, Hq, Dv]`` in the query dtype (fp32 math), written
     into ``out`` when given (every element of the step's queries is
-    written). ``num_splits``: programs per tile and head (None: enough to
+    written), with the model's logit cap and sink logits ``[Hq]`` as there.
+    ``num_splits``: programs per tile and head (None: enough to
     fill the device). ``block_m``: queries per tile of a multi-token request
     (None: 64 query rows per tile)."""
     n, num_heads, head_d = query.shape
@@ -302,18 +317,22 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=device)
+    logits = (float(softcap), out if sinks is None else sinks.to(device=device, dtype=torch.float32).contiguous())
     for keys, tile_m in tiles:
-        _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys, plan, scale,
-                launch_constants(plan, num_heads=num_heads, num_kv_heads=num_kv_heads, head_d=head_d,
-                                 head_dv=head_dv, tile_m=tile_m, splits=splits, on_gpu=device.type != "cpu"))
+        consts = launch_constants(plan, num_heads=num_heads, num_kv_heads=num_kv_heads, head_d=head_d,
+                                  head_dv=head_dv, tile_m=tile_m, splits=splits, on_gpu=device.type != "cpu",
+                                  softcap=softcap > 0, sinks=sinks is not None)
+        _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys, plan, scale, logits, consts)
     if splits > 1:
         _combine(part_acc, part_ml, out)
     return out
 
 
 def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys: KeySet, plan: StepPlan,
-            scale: float, consts: dict) -> None:
-    """One kernel launch over the queries of one key set."""
+            scale: float, logits: tuple, consts: dict) -> None:
+    """One kernel launch over the queries of one key set; ``logits``: the
+    model's (softcap, sinks ``[Hq]`` fp32, any tensor when it has none)."""
+    softcap, sinks = logits
     num_rows, num_q = keys.query_index.shape
     tiles_per_row = triton.cdiv(num_q, consts["BLOCK_M"])
     c = lambda t: t.contiguous()  # noqa: E731
@@ -324,8 +343,8 @@ def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, key
         c(keys.query_index), c(keys.query_positions),
         c(keys.raw_blocks), c(keys.raw_offsets), c(keys.raw_positions),
         c(comp_blocks), c(comp_offsets),
-        c(keys.num_raw), c(keys.num_slots), keys.origins.to(dtype=torch.int32).contiguous(),
-        float(scale), cfg.log_weight, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
+        c(keys.num_raw), c(keys.num_slots), keys.origins.to(dtype=torch.int32).contiguous(), sinks,
+        float(scale), cfg.log_weight, softcap, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
         comp_blocks.shape[1], query.shape[0], tiles_per_row,
         query.stride(0), query.stride(1), step_rows.stride(0), step_rows.stride(1),
         raw_cache.stride(0), raw_cache.stride(1), raw_cache.stride(2),
