@@ -87,3 +87,8 @@ def tiny_qwen(test_models_dir):
 @pytest.fixture(scope="session")
 def tiny_gemma2(test_models_dir):
     return models.build_tiny_gemma2(test_models_dir / "tiny-gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gptoss(test_models_dir):
+    return models.build_tiny_gptoss(test_models_dir / "tiny-gptoss")

@@ -4,7 +4,10 @@
   `reference_chunked_attention` applied to each sequence alone (the batch
   folding changes nothing), with and without staggered origins.
 - With nothing sealed (window longer than the sequence), the model's logits
-  equal full attention's; with a short window they differ.
+  equal full attention's; with a short window they differ. So too for a
+  model with a logit cap (tiny-gemma2) and one with learned sinks
+  (tiny-gptoss), against transformers' own eager attention, which applies
+  them; a sliding-window layer is refused, not computed as a global one.
 - Gradients flow through the pooled rows (training under compression works).
 - Leaving the context restores the model's attention implementation and
   each layer's chunked settings as they were before it (none on a fresh
@@ -71,6 +74,33 @@ def test_model_with_nothing_sealed_equals_full_attention():
             sealed = model(input_ids=ids).logits
     torch.testing.assert_close(unsealed, full, rtol=1e-5, atol=1e-5)
     assert (sealed - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gptoss"])
+def test_cap_and_sinks_with_nothing_sealed_equal_eager_attention(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from vllm_chunked_kv.models import tiny
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny.build_model(name, tmp_path / name), dtype=torch.float32).eval()
+    ids = torch.randint(10, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with chunked_attention(model, None):
+            full = model(input_ids=ids).logits
+        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=40)):
+            unsealed = model(input_ids=ids).logits
+        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=8)):
+            sealed = model(input_ids=ids).logits
+    torch.testing.assert_close(unsealed, full, rtol=1e-4, atol=1e-4)
+    assert (sealed - full).abs().max() > 1e-3
+
+
+def test_a_sliding_window_layer_is_refused():
+    layer = _Layer(ChunkedKVConfig(chunk_size=4, window=8))
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        chunked_attention_forward(layer, q, k, v, None, 0.35, sliding_window=4)
 
 
 def test_gradients_flow_and_implementation_is_restored():

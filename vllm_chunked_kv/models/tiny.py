@@ -1,12 +1,15 @@
 """Tiny random-weight decoder models, built locally for tests (no model hub).
 
-Three architectures are built, each small enough to load in a second:
+Four architectures are built, each small enough to load in a second:
 
 - `tiny-llama`: LlamaForCausalLM, 2 layers, 4 query heads, 2 KV heads (GQA 2).
 - `tiny-qwen`:  Qwen2ForCausalLM, 2 layers, 8 query heads, 2 KV heads (GQA 4),
   with q/k/v biases as Qwen2 has them.
 - `tiny-gemma2`: Gemma2ForCausalLM, 2 global layers, 4 query heads of 32, 2
   KV heads, attention logits soft-capped at 2 (low enough to bite).
+- `tiny-gptoss`: GptOssForCausalLM, 2 global layers, 4 experts (2 per
+  token), 4 query heads of 32, 2 KV heads, learned attention sinks drawn
+  large enough to matter.
 
 Both use a word-level tokenizer (one token per whitespace-separated word) and
 a chat template, so `/v1/completions` and `/v1/chat/completions` both work.
@@ -45,6 +48,11 @@ ARCHS: dict[str, dict] = {
         attn_logit_softcapping=2.0, final_logit_softcapping=None, layer_types=["full_attention"] * 2,
         sliding_window=4096,  # unused (no sliding layer); transformers builds the mask type regardless
         embed_scale=128 ** -0.5,  # Gemma multiplies embeddings by sqrt(hidden)
+    ),
+    "tiny-gptoss": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, hidden_size=128, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2, sliding_window=128, tie_word_embeddings=False, sinks_std=2.0,
     ),
 }
 
@@ -92,6 +100,7 @@ def build_model(name: str, path: str | Path, *, seed: int = 0, init_std: float =
     arch = dict(ARCHS[name])
     model_type = arch.pop("model_type")
     embed_scale = arch.pop("embed_scale", 1.0)
+    sinks_std = arch.pop("sinks_std", None)
     settings = dict(
         vocab_size=len(vocab), num_hidden_layers=2, max_position_embeddings=4096, rope_theta=10000.0,
         tie_word_embeddings=True, bos_token_id=vocab.index("<bos>"), eos_token_id=vocab.index("<eos>"),
@@ -105,6 +114,9 @@ def build_model(name: str, path: str | Path, *, seed: int = 0, init_std: float =
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, init_std)  # Qwen2 q/k/v biases: make them matter
         model.get_input_embeddings().weight.mul_(embed_scale)
+        for name, param in model.named_parameters():
+            if sinks_std is not None and name.endswith(".sinks"):  # GPT-OSS's learned sink logits [H]
+                param.normal_(0.0, sinks_std)
     model.save_pretrained(str(path))
     save_word_tokenizer(path, vocab)
     return path
@@ -120,6 +132,10 @@ def build_tiny_qwen(path: str | Path) -> Path:
 
 def build_tiny_gemma2(path: str | Path) -> Path:
     return build_model("tiny-gemma2", path, seed=2)
+
+
+def build_tiny_gptoss(path: str | Path) -> Path:
+    return build_model("tiny-gptoss", path, seed=3)
 
 
 def random_prompt(rng, num_words: int) -> str:
