@@ -90,5 +90,10 @@ def tiny_gemma2(test_models_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(test_models_dir):
+    return models.build_tiny_gemma3(test_models_dir / "tiny-gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_gptoss(test_models_dir):
     return models.build_tiny_gptoss(test_models_dir / "tiny-gptoss")

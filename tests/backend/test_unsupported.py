@@ -1,7 +1,7 @@
 """Combinations CHUNKED_KV cannot serve stop `vllm serve` at startup: non-zero
 exit, no traceback, and one `error:` line that says what is unsupported and
 why. Covered: a block size that cannot hold whole chunks, a window smaller
-than a chunk, a model with its own sliding window, KV connectors, the
+than a chunk, a model with its own sliding window on every layer, KV connectors, the
 hybrid KV cache manager turned off, a quantised (fp8) KV cache, and
 speculative decoding, and settings outside their "chunked_kv" wrapper
 (which would otherwise run the defaults silently). A server selecting
@@ -40,7 +40,7 @@ CASES = {
         ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
         "speculative decoding (--speculative-config) is not supported",
     ),
-    "model sliding window": ([], "the model uses its own sliding window (32 tokens)"),
+    "model sliding window": ([], "every layer of the model keeps its own sliding window (32 tokens)"),
     "settings without their wrapper": (
         ["--additional-config", json.dumps({"chunk_size": 5})],
         "'chunk_size' is at the top level of --additional-config; it belongs under \"chunked_kv\"",
@@ -50,11 +50,12 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def sliding_window_model(tiny_qwen, tmp_path_factory):
-    """tiny-qwen with Qwen2's own sliding window switched on."""
+    """tiny-qwen with Qwen2's own sliding window switched on, on every layer."""
     path = tmp_path_factory.mktemp("sliding") / "tiny-qwen-sliding"
     shutil.copytree(tiny_qwen, path)
     config = json.loads((path / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    config.update(use_sliding_window=True, sliding_window=32, max_window_layers=0,
+                  layer_types=["sliding_attention"] * config["num_hidden_layers"])
     (path / "config.json").write_text(json.dumps(config))
     return path
 

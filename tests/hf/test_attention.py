@@ -5,9 +5,10 @@
   folding changes nothing), with and without staggered origins.
 - With nothing sealed (window longer than the sequence), the model's logits
   equal full attention's; with a short window they differ. So too for a
-  model with a logit cap (tiny-gemma2) and one with learned sinks
+  model with a logit cap (tiny-gemma2), one with sliding-window layers
+  (tiny-gemma3) and one with both learned sinks and a sliding-window layer
   (tiny-gptoss), against transformers' own eager attention, which applies
-  them; a sliding-window layer is refused, not computed as a global one.
+  them: a sliding-window layer keeps exactly its window (`window_attention`).
 - Gradients flow through the pooled rows (training under compression works).
 - Leaving the context restores the model's attention implementation and
   each layer's chunked settings as they were before it (none on a fresh
@@ -76,8 +77,8 @@ def test_model_with_nothing_sealed_equals_full_attention():
     assert (sealed - full).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gptoss"])
-def test_cap_and_sinks_with_nothing_sealed_equal_eager_attention(name, tmp_path):
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gemma3", "tiny-gptoss"])
+def test_cap_sinks_and_windows_with_nothing_sealed_equal_eager_attention(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from vllm_chunked_kv.models import tiny
@@ -94,13 +95,6 @@ def test_cap_and_sinks_with_nothing_sealed_equal_eager_attention(name, tmp_path)
             sealed = model(input_ids=ids).logits
     torch.testing.assert_close(unsealed, full, rtol=1e-4, atol=1e-4)
     assert (sealed - full).abs().max() > 1e-3
-
-
-def test_a_sliding_window_layer_is_refused():
-    layer = _Layer(ChunkedKVConfig(chunk_size=4, window=8))
-    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        chunked_attention_forward(layer, q, k, v, None, 0.35, sliding_window=4)
 
 
 def test_gradients_flow_and_implementation_is_restored():

@@ -10,9 +10,13 @@ Five things, all idempotent:
    `chunked_kv_serve.json` if `--additional-config` has no "chunked_kv"
    section, log where the settings came from, and validate them, so a bad
    value stops startup with one line (`startup_checks`);
-4. on the CPU platform, whose `get_attn_backend_cls` ignores every selection
-   but CPU_ATTN, route an explicit CHUNKED_KV selection to our class. The
-   default selection (nothing asked) stays CPU_ATTN;
+4. route an explicit CHUNKED_KV selection per layer: a layer with the
+   model's own sliding window gets the platform's default backend (it keeps
+   exactly its window, in vLLM's sliding-window pages: docs/design.md,
+   "Hybrid models"), every other layer our class. On the CPU platform, whose
+   `get_attn_backend_cls` ignores every selection but CPU_ATTN, our class
+   is returned here; elsewhere the platform's own choice validates it. The
+   default selection (nothing asked) is left alone;
 5. let per-request grid alignment reach prompt lengths and salt the
    prefix cache per grid (`alignment`).
 
@@ -40,7 +44,7 @@ def register_backend() -> None:
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         vllm_register(BACKEND_NAME, BACKEND_PATH)
     compat.make_enum_member_picklable(AttentionBackendEnum[BACKEND_NAME], _lookup_member)
-    _route_cpu_selection()
+    _route_selection()
     _validate_config_at_startup()
     alignment.install()
     from vllm_chunked_kv.backend.startup_checks import install_excepthook
@@ -48,27 +52,37 @@ def register_backend() -> None:
     install_excepthook()
 
 
-def _route_cpu_selection() -> None:
+def _route_selection() -> None:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return  # CUDA honours any selection whose validate_configuration passes
-    from vllm.platforms.cpu import CpuPlatform
+    on_cpu = current_platform.is_cpu()
 
     def make(original):
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-            if selected_backend is not None and getattr(selected_backend, "name", None) == BACKEND_NAME:
-                from vllm_chunked_kv.backend.attention import ChunkedKVBackend
+            if selected_backend is None or getattr(selected_backend, "name", None) != BACKEND_NAME:
+                return original(cls, selected_backend, attn_selector_config, num_heads)
+            if attn_selector_config.has_sliding_window:  # the model's own window: vLLM's default backend
+                path = original(cls, None, attn_selector_config, num_heads)
+                _log_sliding_layers_once(path)
+                return path
+            from vllm_chunked_kv.backend.attention import ChunkedKVBackend
 
-                reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
-                if reasons:
-                    raise ValueError(f"{BACKEND_NAME} cannot serve this model: " + "; ".join(reasons))
-                return BACKEND_PATH
-            return original(cls, selected_backend, attn_selector_config, num_heads)
+            reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
+            if reasons:
+                raise ValueError(f"{BACKEND_NAME} cannot serve this model: " + "; ".join(reasons))
+            return BACKEND_PATH if on_cpu else original(cls, selected_backend, attn_selector_config, num_heads)
 
         return get_attn_backend_cls
 
-    compat.patch_classmethod(CpuPlatform, "get_attn_backend_cls", make)
+    compat.patch_classmethod(type(current_platform), "get_attn_backend_cls", make)
+
+
+def _log_sliding_layers_once(path: str) -> None:
+    from vllm.logger import init_logger
+
+    init_logger("vllm.chunked_kv.layers").info_once(
+        "chunked_kv: the model's sliding-window layers keep their window uncompressed on %s; its global layers "
+        "are compressed", path.rsplit(".", 1)[-1])
 
 
 def _take_serve_file(vllm_config) -> str:

@@ -17,11 +17,11 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None and getattr(model_config, "hf_text_config", None) is not None:
         text = model_config.hf_text_config
-        window = model_sliding_window(text)
-        if window:
+        window = getattr(getattr(vllm_config, "cache_config", None), "sliding_window", None)
+        if window:  # vLLM sets it only when every layer slides (no layer types, or all "sliding_attention")
             raise ChunkedKVConfigError(
-                None, f"the model uses its own sliding window ({window} tokens); "
-                "chunked compression supports full-attention decoder models only"
+                None, f"every layer of the model keeps its own sliding window ({window} tokens): no global "
+                "layer is left to compress (sliding-window layers run vLLM's default backend)"
             )
         num_layers = getattr(text, "num_hidden_layers", None)
         if isinstance(num_layers, int):  # per-layer lists (stagger, slot_gains) must fit the model
@@ -33,20 +33,6 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
             None, f"--kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16, float32)"
         )
     _check_paging(cfg, vllm_config, cache_config)
-
-
-def model_sliding_window(text_config) -> int | None:
-    """The sliding window some layer of the model attends within, or None: a
-    configured window counts when a layer is of type "sliding_attention"
-    (Gemma 2/3, GPT-OSS, Qwen2 in transformers 5) or, without layer types,
-    unless `use_sliding_window` is false (Qwen2's own switch)."""
-    window = getattr(text_config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(text_config, "use_sliding_window", True) else None
 
 
 def _check_paging(cfg: ChunkedKVConfig, vllm_config, cache_config) -> None:

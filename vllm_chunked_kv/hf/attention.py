@@ -59,8 +59,10 @@ def chunked_attention_forward(
     """transformers attention-function signature: query [b, H, T, D], key/value [b, Hkv, T, D];
     the model's logit cap (``softcap``, Gemma 2) and learned sink logits
     (``s_aux`` [H], GPT-OSS) as `reference.softmax_weights` applies them."""
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("chunked attention in transformers does not serve sliding-window layers")
+    softcap = kwargs.get("softcap") or 0.0
+    sinks = kwargs.get("s_aux")  # [H] or None
+    if kwargs.get("sliding_window"):  # the model's own window: kept exactly, as the backend serves it
+        return window_attention(query, key, value, scaling, kwargs["sliding_window"], softcap, sinks), None
     cfg: ChunkedKVConfig = getattr(module, _CONFIG_ATTR).for_layer(module.layer_idx)  # its own gains, if per layer
     batch, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -85,16 +87,34 @@ def chunked_attention_forward(
     bias = ext.bias.view(seq_len, batch, num_kv_heads, ext_len).permute(1, 2, 0, 3)  # [b, Hkv, T, T+N]
     grouped_q = query.float().view(batch, num_kv_heads, group, seq_len, head_dim)  # [b, Hkv, G, T, D]
     logits = torch.matmul(grouped_q, keys.unsqueeze(2).transpose(-1, -2)) * scaling  # [b, Hkv, G, T, T+N]
-    sinks = kwargs.get("s_aux")
     sinks = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1)
-    probs = softmax_weights(logits, bias.unsqueeze(2), softcap=kwargs.get("softcap") or 0.0,
-                            sinks=sinks)  # [b, Hkv, G, T, T+N]
+    probs = softmax_weights(logits, bias.unsqueeze(2), softcap=softcap, sinks=sinks)  # [b, Hkv, G, T, T+N]
     observer = getattr(module, _OBSERVER_ATTR, (None,))[0]
     if observer is not None:
         observer(module.layer_idx, probs, folded_k, origins)
     out = torch.matmul(probs, values.unsqueeze(2))  # [b, Hkv, G, T, Dv]
     out = out.reshape(batch, num_heads, seq_len, -1).transpose(1, 2)  # [b, T, H, Dv]
     return out.to(query.dtype).contiguous(), None
+
+
+def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A sliding-window layer, uncompressed: each query sees its last `window`
+    positions, itself included (transformers' and vLLM's convention), with
+    the model's cap and sinks. query [b, H, T, D], key/value [b, Hkv, T, D]
+    -> [b, T, H, Dv]."""
+    batch, num_heads, seq_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    pos = torch.arange(seq_len, device=query.device)
+    seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [T, T]
+    bias = torch.zeros(seq_len, seq_len, device=query.device).masked_fill(~seen, float("-inf"))
+    grouped_q = query.float().view(batch, num_kv_heads, group, seq_len, head_dim)  # [b, Hkv, G, T, D]
+    logits = torch.matmul(grouped_q, key.float().unsqueeze(2).transpose(-1, -2)) * scaling  # [b, Hkv, G, T, T]
+    sinks = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1)
+    probs = softmax_weights(logits, bias, softcap=softcap, sinks=sinks)  # [b, Hkv, G, T, T]
+    out = torch.matmul(probs, value.float().unsqueeze(2))  # [b, Hkv, G, T, Dv]
+    return out.reshape(batch, num_heads, seq_len, -1).transpose(1, 2).to(query.dtype).contiguous()
 
 
 def gains_apply(cfg: ChunkedKVConfig) -> bool:

@@ -1,15 +1,18 @@
 """Tiny random-weight decoder models, built locally for tests (no model hub).
 
-Four architectures are built, each small enough to load in a second:
+Five architectures are built, each small enough to load in a second:
 
 - `tiny-llama`: LlamaForCausalLM, 2 layers, 4 query heads, 2 KV heads (GQA 2).
 - `tiny-qwen`:  Qwen2ForCausalLM, 2 layers, 8 query heads, 2 KV heads (GQA 4),
   with q/k/v biases as Qwen2 has them.
-- `tiny-gemma2`: Gemma2ForCausalLM, 2 global layers, 4 query heads of 32, 2
-  KV heads, attention logits soft-capped at 2 (low enough to bite).
-- `tiny-gptoss`: GptOssForCausalLM, 2 global layers, 4 experts (2 per
-  token), 4 query heads of 32, 2 KV heads, learned attention sinks drawn
-  large enough to matter.
+- `tiny-gemma2`: Gemma2ForCausalLM, a sliding-window layer (window 16) then a
+  global one, 4 query heads of 32, 2 KV heads, attention logits soft-capped
+  at 2 (low enough to bite).
+- `tiny-gemma3`: Gemma3ForCausalLM, two sliding-window layers (window 16)
+  then a global one, 4 query heads of 32, 2 KV heads.
+- `tiny-gptoss`: GptOssForCausalLM, a sliding-window layer (window 16) then
+  a global one, 4 experts (2 per token), 4 query heads of 32, 2 KV heads,
+  learned attention sinks drawn large enough to matter.
 
 Both use a word-level tokenizer (one token per whitespace-separated word) and
 a chat template, so `/v1/completions` and `/v1/chat/completions` both work.
@@ -45,14 +48,21 @@ ARCHS: dict[str, dict] = {
     "tiny-gemma2": dict(
         architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, hidden_size=128, intermediate_size=256,
-        attn_logit_softcapping=2.0, final_logit_softcapping=None, layer_types=["full_attention"] * 2,
-        sliding_window=4096,  # unused (no sliding layer); transformers builds the mask type regardless
+        attn_logit_softcapping=2.0, final_logit_softcapping=None,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16,
         embed_scale=128 ** -0.5,  # Gemma multiplies embeddings by sqrt(hidden)
     ),
-    "tiny-gptoss": dict(
+    "tiny-gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=16, embed_scale=128 ** -0.5,
+    ),
+    "tiny-gptoss": dict(  # vLLM gives even layers the window, whatever layer_types says: these agree
         architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, hidden_size=128, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention"] * 2, sliding_window=128, tie_word_embeddings=False, sinks_std=2.0,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16, tie_word_embeddings=False,
+        sinks_std=2.0,
     ),
 }
 
@@ -132,6 +142,10 @@ def build_tiny_qwen(path: str | Path) -> Path:
 
 def build_tiny_gemma2(path: str | Path) -> Path:
     return build_model("tiny-gemma2", path, seed=2)
+
+
+def build_tiny_gemma3(path: str | Path) -> Path:
+    return build_model("tiny-gemma3", path, seed=4)
 
 
 def build_tiny_gptoss(path: str | Path) -> Path:

@@ -71,11 +71,12 @@ def engine_main(spec: dict) -> dict:
     llm = LLM(spec["model"], **spec["engine"])
     preemptions = _count_preemptions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    outputs = []
+    outputs, cached = [], []
     for prompts in spec["rounds"]:
         results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
-    return {"outputs": outputs, "preemptions": len(preemptions)}
+        cached.append(sum(r.num_cached_tokens or 0 for r in results))
+    return {"outputs": outputs, "preemptions": len(preemptions), "cached_tokens": cached}
 
 
 def in_process_scheduler(llm):

@@ -1,19 +1,22 @@
-"""Models whose attention caps its logits (Gemma 2's `attn_logit_softcapping`)
-or learns sink logits (GPT-OSS's `sinks`, one per query head, in every
-softmax's denominator) are served, each applied in CHUNKED_KV's attention as
-in vLLM's own. On tiny-gemma2 (cap 2), global layers only (vLLM's GPT-OSS
-puts a sliding window on every other layer, so tiny-gptoss's sinks are
-checked here once sliding-window layers are served; the kernels' sinks are
-checked on the schedule harness, transformers' in tests/hf):
+"""Hybrid attention models: a model's sliding-window layers keep exactly their
+window on vLLM's default backend, its global layers are compressed, and a
+model's logit cap (Gemma 2) and learned sink logits (GPT-OSS) are applied
+in CHUNKED_KV's attention as in vLLM's own. Three tiny families, built
+locally: tiny-gemma2 (cap 2, a sliding layer then a global one),
+tiny-gemma3 (two sliding layers then a global one), tiny-gptoss (sinks, a
+sliding layer then a global one); windows of 16.
 
-- every token raw (window 1024): greedy tokens equal vLLM's default CPU
-  backend under chunked prefill and prefix-cache hits; the option matters
-  there (the same weights without the cap, or with every sink at -30, answer
-  differently on the default backend);
-- at chunk 4, window 16, for mitigations none, boundary and stagger: greedy
-  tokens equal transformers running the reference chunked attention with
-  the option (`hf.attention`), and compression matters (full attention
-  answers differently).
+- Every token raw in the global layers (window 1024): greedy tokens equal
+  vLLM's default CPU backend under chunked prefill, with round 2's prompts
+  hitting round 1's cached prefixes (counted); the family's feature matters
+  there (the same weights without the cap, with a window wider than every
+  prompt, or with every sink at -30, answer differently on the default
+  backend). The log says which layers run where.
+- At chunk 4, window 16, for mitigations none, boundary and stagger: greedy
+  tokens equal transformers running the reference chunked attention in the
+  global layers and the exact window in the sliding ones (`hf.attention`),
+  and compression matters (full attention in the global layers answers
+  differently).
 """
 
 from __future__ import annotations
@@ -32,26 +35,31 @@ from .test_attention_reference import MAX_TOKENS, WINDOW, prompts, reference_gre
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-MODELS = ["tiny_gemma2"]  # tiny_gptoss joins when sliding-window layers are served: vLLM's GPT-OSS always has them
+MODELS = ["tiny_gemma2", "tiny_gemma3", "tiny_gptoss"]
 
 
-def without_option(model_dir, out_dir):
-    """A copy of tiny-gemma2 without its logit cap, or of tiny-gptoss with every sink logit at -30 (no weight)."""
+def without_feature(model_dir, out_dir):
+    """A copy of the model without what its family adds: tiny-gemma2 without
+    its logit cap, tiny-gemma3 with a window wider than every prompt,
+    tiny-gptoss with every sink logit at -30 (no weight)."""
     from safetensors.torch import load_file, save_file
 
     path = out_dir / f"{model_dir.name}-without"
     shutil.copytree(model_dir, path)
     config = json.loads((path / "config.json").read_text())
-    if config["model_type"] == "gemma2":
-        assert config["attn_logit_softcapping"] == 2.0
-        config["attn_logit_softcapping"] = None
-        (path / "config.json").write_text(json.dumps(config))
-    else:
+    if config["model_type"] == "gpt_oss":
         weights = load_file(path / "model.safetensors")
         sinks = [name for name in weights if name.endswith(".sinks")]
         assert len(sinks) == config["num_hidden_layers"]
         weights.update({name: torch.full_like(weights[name], -30.0) for name in sinks})
         save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        return path
+    if config["model_type"] == "gemma2":
+        assert config["attn_logit_softcapping"] == 2.0
+        config["attn_logit_softcapping"] = None
+    else:
+        config["sliding_window"] = 4096
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 
@@ -64,8 +72,10 @@ def test_raw_window_matches_default_backend(model_fixture, request, tmp_path):
     chunked = generate(model, {**engine, "attention_backend": "chunked_kv",
                                "additional_config": {"chunked_kv": {"window": 1024}}}, rounds)
     assert "Using CHUNKED_KV attention backend" in chunked["log"]
+    assert "sliding-window layers keep their window uncompressed on CPUAttentionBackend" in chunked["log"]
     assert chunked["outputs"] == default["outputs"]
-    assert generate(without_option(model, tmp_path), engine, rounds)["outputs"] != default["outputs"]
+    assert chunked["cached_tokens"][0] == 0 and chunked["cached_tokens"][1] >= 32
+    assert generate(without_feature(model, tmp_path), engine, rounds)["outputs"] != default["outputs"]
 
 
 @pytest.mark.parametrize("mitigation", ["none", "boundary", "stagger"])
