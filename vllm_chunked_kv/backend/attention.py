@@ -281,7 +281,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
     ) -> None:
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            "a model sliding window": sliding_window is not None,
+            "a sliding-window layer": sliding_window is not None,  # routed to vLLM's default backend
             "KV sharing across layers": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
