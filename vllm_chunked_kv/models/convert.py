@@ -1,9 +1,11 @@
 """Convert a GGUF file to a bf16 Hugging Face directory that vLLM serves.
 
-transformers de-quantizes the GGUF (Q4_1 here) to float32 but keeps a
+transformers de-quantizes the GGUF (Q4_1, Q4_K_M) to float32 but keeps a
 `quantization_config` that makes `save_pretrained` refuse; so the weights go
-into a fresh, plain `LlamaForCausalLM` (every key must match), which is cast
-to bf16 and saved with the tokenizer (chat template included).
+into a fresh, plain model of the same class (`LlamaForCausalLM`,
+`Gemma3ForCausalLM`; every key must match), which is cast to bf16 and saved
+with the tokenizer (chat template included), set to start every text with
+its BOS token.
 
 transformers 5 writes `"tokenizer_class": "TokenizersBackend"`, a name older
 readers (and the tokenizer code in vLLM's worker) may not know; the saved
@@ -35,15 +37,17 @@ def check_dependencies() -> None:
         raise ModelFetchError(f"converting a GGUF model needs {', '.join(missing)} (not installed): {INSTALL_HINT}")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
-    """Write a bf16 safetensors model + tokenizer for `gguf_path` into `out_dir`.
+def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> dict:
+    """Write a bf16 safetensors model + tokenizer for `gguf_path` into `out_dir`
+    (which may exist); the GGUF must hold a `model_type` model.
 
-    Returns a summary for the README: parameters, layers, the transformers version.
+    Returns a summary for the README: parameters, layers, the architecture,
+    the transformers version.
     """
     try:
         import torch
         import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ModelFetchError(f"cannot import the conversion dependencies ({exc}): {INSTALL_HINT}") from None
 
@@ -57,14 +61,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
 
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
-    if config_dict.get("model_type") != "llama":
-        raise ModelFetchError(f"{name}: expected a Llama model, got model_type {config_dict.get('model_type')!r}")
-    model = LlamaForCausalLM(LlamaConfig.from_dict(config_dict))
+    if config_dict.get("model_type") != model_type:
+        raise ModelFetchError(f"{name}: expected model_type {model_type!r}, got {config_dict.get('model_type')!r}")
+    model_cls, config_cls = type(quantized), type(quantized.config)
+    model = model_cls(config_cls.from_dict(config_dict))  # plain: no GGUF quantizer left to refuse saving
     model.load_state_dict(quantized.state_dict(), strict=True)
     del quantized
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
+    model.config.architectures = [model_cls.__name__]
     model.eval()
+    add_bos(tokenizer, name)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with quiet_progress_bars(), safetensors_os_errors(out_dir / "model.safetensors"):
@@ -74,9 +81,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
         "layers": model.config.num_hidden_layers,
+        "architecture": model_cls.__name__,
         "transformers": transformers.__version__,
         "torch": torch.__version__.split("+")[0],
     }
+
+
+def add_bos(tokenizer, name: str) -> None:
+    """Make the tokenizer start every text with its BOS token when it has one:
+    a tokenizer converted from GGUF may not (Gemma 3's does not, and without
+    <bos> the model repeats itself), and vLLM tokenizes prompts with it."""
+    if tokenizer.bos_token_id is None:
+        return
+    if tokenizer("a").input_ids[:1] != [tokenizer.bos_token_id]:
+        tokenizer.add_bos_token = True
+    if tokenizer("a").input_ids[:1] != [tokenizer.bos_token_id]:
+        raise ModelFetchError(f"{name}: the tokenizer does not start texts with {tokenizer.bos_token}")
 
 
 @contextlib.contextmanager

