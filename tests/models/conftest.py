@@ -34,3 +34,8 @@ def models_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(models_cache) -> Path:
     return fetch("smollm2-135m", models_cache)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(models_cache) -> Path:
+    return fetch("gemma3-270m", models_cache)
