@@ -1,6 +1,7 @@
 """Contract of `vllm_chunked_kv.serving.kv_footprint`: uncompressed bytes per token
 is 2 (K, V) x layers x KV heads x head size x dtype bytes, read from the
-model through vLLM's config; compression counts only when CHUNKED_KV is the
+model through vLLM's config, counting only the global layers of a hybrid
+model (its sliding-window layers hold a fixed number of rows); compression counts only when CHUNKED_KV is the
 selected backend, and then the ratio is docs/design.md §4's: chunk_size tokens
 over the rows they are stored in; capacity is vLLM's own figure."""
 
@@ -18,6 +19,7 @@ from vllm_chunked_kv.serving.kv_footprint import (
     chunked_backend_active,
     footprint,
     footprint_from_vllm_config,
+    global_layers,
     uncompressed_bytes_per_token,
 )
 
@@ -57,6 +59,13 @@ def test_chunked_backend_ratio_follows_the_mitigation_table(make_vllm_config, ti
     expected_ratio = EXPECTED_RATIO[cfg.mitigation](section.get("chunk_size", 0))
     assert fp.compression_ratio == pytest.approx(float(expected_ratio))
     assert fp.bytes_per_token == pytest.approx(_hf_bytes_per_token(tiny_llama, 4) / expected_ratio)
+
+
+def test_hybrid_models_count_their_global_layers_only():
+    hybrid = SimpleNamespace(hf_text_config=SimpleNamespace(layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                             get_total_num_hidden_layers=lambda: 6)
+    plain = SimpleNamespace(hf_text_config=SimpleNamespace(), get_total_num_hidden_layers=lambda: 6)
+    assert (global_layers(hybrid), global_layers(plain)) == (1, 6)
 
 
 def test_mla_stores_one_latent_row():

@@ -4,9 +4,11 @@ chunked compression, and the token capacity vLLM allocated.
 How the numbers are computed (also in docker/README.md):
 
 - uncompressed bytes per token = K and V (2, or 1 for MLA's shared latent)
-  x layers x KV heads (all of them, summed over tensor-parallel ranks)
-  x head size x bytes of the KV-cache dtype (`--kv-cache-dtype`, or the
-  model dtype for "auto");
+  x global layers x KV heads (all of them, summed over tensor-parallel
+  ranks) x head size x bytes of the KV-cache dtype (`--kv-cache-dtype`, or
+  the model dtype for "auto"). A layer with its own sliding window (a
+  hybrid model's "sliding_attention" layers) holds a fixed number of rows
+  per sequence whatever its length, so it adds nothing per token;
 - compressed bytes per token (chunked_kv the active attention backend) =
   uncompressed / tokens_per_state, the tokens a stored row stands for in the
   compressed region of a long sequence (`ChunkedKVConfig.tokens_per_state`:
@@ -87,12 +89,21 @@ def capacity_tokens(cache_config: Any) -> int | None:
     return None
 
 
+def global_layers(model_config: Any) -> int:
+    """Layers whose cache grows with the sequence: all but those the model's
+    `layer_types` name "sliding_attention" (hybrid models: Gemma 2/3, GPT-OSS)."""
+    layer_types = getattr(getattr(model_config, "hf_text_config", None), "layer_types", None)
+    if layer_types:
+        return sum(kind != "sliding_attention" for kind in layer_types)
+    return model_config.get_total_num_hidden_layers()
+
+
 def footprint_from_vllm_config(vllm_config: Any, tokens_per_state: Fraction | int) -> KVFootprint:
     """The footprint of the served model; compression counted only when
     chunked_kv is the selected attention backend."""
     model = vllm_config.model_config
     uncompressed = uncompressed_bytes_per_token(
-        num_layers=model.get_total_num_hidden_layers(),
+        num_layers=global_layers(model),
         num_kv_heads=model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
         dtype_bytes=kv_dtype_bytes(vllm_config),
