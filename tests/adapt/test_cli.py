@@ -9,6 +9,10 @@
 - With `--learn-gains` the serve file says pooling "gated" with the gains
   the run learned (also in `adapter/adapter.json`), and vLLM serves that.
 - Bad settings stop it before training with one line naming the problem.
+- A hybrid model (tiny Gemma 3: sliding-window and global layers) is
+  accepted: a short run lowers the loss, and the directory serves with
+  CHUNKED_KV on its global layers and vLLM's default backend on its sliding
+  ones.
 """
 
 from __future__ import annotations
@@ -87,3 +91,21 @@ def test_bad_settings_stop_before_training(tiny_llama, tmp_path, capsys):
     assert main(gated) == 1
     assert "learn_gains" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_adapt_accepts_a_hybrid_model(tiny_gemma3, tmp_path, capsys):
+    out = tmp_path / "adapted-gemma3"
+    argv = ["adapt", str(tiny_gemma3), "--out", str(out), "--steps", "16", "--length", "384", "--lr", "0.01",
+            "--threads", "1", "--config", json.dumps({"chunked_kv": {"chunk_size": 4, "window": 16}})]
+    assert main(argv) == 0
+    log = [json.loads(line) for line in (out / "work" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 16
+    first, last = (sum(r["loss"] for r in part) / len(part) for part in (log[:4], log[-4:]))
+    assert last < first, (first, last)
+    serve = json.loads((out / SERVE_FILE).read_text())
+    engine = {"attention_backend": serve["attention_backend"], "additional_config": serve["additional_config"]}
+    result = generate(str(out), engine, [[[5 + i % 200 for i in range(60)]]], max_tokens=4)
+    assert len(result["outputs"][0][0]) == 4
+    assert "Using CHUNKED_KV attention backend" in result["log"]
+    assert "sliding-window layers keep their window uncompressed" in result["log"]
+

@@ -33,7 +33,7 @@ DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4, "stagger":
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vllm_chunked_kv.adapt.train import AdaptOptions
 
-    parser.add_argument("model_dir", type=Path, help="a Hugging Face model directory (Llama-like)")
+    parser.add_argument("model_dir", type=Path, help="a Hugging Face decoder model directory (Llama, Qwen2, Gemma 2/3 ...)")
     parser.add_argument("--out", type=Path, required=True, help="output model directory (resumes if it holds a checkpoint)")
     parser.add_argument("--config", default=json.dumps({"chunked_kv": DEFAULT_SETTINGS}),
                         help="the chunked_kv settings to adapt for, as --additional-config JSON (default: %(default)s)")
