@@ -72,19 +72,26 @@ def reference_greedy(model_dir, cfg: ChunkedKVConfig, batch: list[list[int]]) ->
     return outputs
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_vllm_equals_reference(case, request):
-    model = request.getfixturevalue("tiny_qwen" if case.endswith("gated") else "tiny_llama")
-    settings = {"window": WINDOW, **CASES[case]}
+def check_vllm_equals_reference(model, settings: dict, seed: int) -> tuple[ChunkedKVConfig, list, list]:
+    """vLLM's greedy tokens with `settings` equal the reference's on `prompts(seed)`,
+    and full attention answers differently somewhere (the case compresses);
+    returns (the config, the prompts, the tokens)."""
     cfg = ChunkedKVConfig.from_additional_config({"chunked_kv": settings})
-    batch = prompts(seed=len(case))
+    batch = prompts(seed=seed)
     expected = reference_greedy(model, cfg, batch)
     result = generate(model, dict(attention_backend="chunked_kv", additional_config={"chunked_kv": settings},
                                   max_num_batched_tokens=32, enable_prefix_caching=True), [batch],
                       max_tokens=MAX_TOKENS)
     assert result["outputs"][0] == expected
-    # The case must exercise compression: full attention answers differently somewhere.
     assert reference_greedy(model, None, batch) != expected
+    return cfg, batch, expected
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllm_equals_reference(case, request):
+    model = request.getfixturevalue("tiny_qwen" if case.endswith("gated") else "tiny_llama")
+    settings = {"window": WINDOW, **CASES[case]}
+    cfg, batch, expected = check_vllm_equals_reference(model, settings, seed=len(case))
     if cfg.per_layer_gains:  # and each layer its own gains: layer 0's everywhere answers differently
         first = ChunkedKVConfig.from_additional_config({"chunked_kv": {**settings, "slot_gains": cfg.slot_gains[0]}})
         assert reference_greedy(model, first, batch) != expected

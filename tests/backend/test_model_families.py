@@ -27,11 +27,10 @@ import shutil
 import pytest
 import torch
 
-from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.runner.engine import generate
 
 from .test_attention_equivalence import make_rounds
-from .test_attention_reference import MAX_TOKENS, WINDOW, prompts, reference_greedy
+from .test_attention_reference import WINDOW, check_vllm_equals_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -81,13 +80,5 @@ def test_raw_window_matches_default_backend(model_fixture, request, tmp_path):
 @pytest.mark.parametrize("mitigation", ["none", "boundary", "stagger"])
 @pytest.mark.parametrize("model_fixture", MODELS)
 def test_vllm_equals_reference(model_fixture, mitigation, request):
-    model = request.getfixturevalue(model_fixture)
-    settings = {"window": WINDOW, "mitigation": mitigation}
-    cfg = ChunkedKVConfig.from_additional_config({"chunked_kv": settings})
-    batch = prompts(seed=len(mitigation))
-    expected = reference_greedy(model, cfg, batch)
-    result = generate(model, dict(attention_backend="chunked_kv", additional_config={"chunked_kv": settings},
-                                  max_num_batched_tokens=32, enable_prefix_caching=True), [batch],
-                      max_tokens=MAX_TOKENS)
-    assert result["outputs"][0] == expected
-    assert reference_greedy(model, None, batch) != expected
+    check_vllm_equals_reference(request.getfixturevalue(model_fixture), {"window": WINDOW, "mitigation": mitigation},
+                                seed=len(mitigation))

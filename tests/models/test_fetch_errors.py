@@ -108,7 +108,7 @@ def test_missing_dependencies_fail_before_download(monkeypatch, tmp_path):
 def test_failed_conversion_leaves_nothing(good, monkeypatch, failure):
     """A conversion that dies half-way (disk full, Ctrl-C) leaves no directory a
     second call would accept, and no staging directory."""
-    def half_convert(gguf_path, out_dir, model_type):
+    def half_convert(gguf_path, out_dir, model_type, bos):
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text("{}")  # looks complete ...
         if failure == "interrupt":

