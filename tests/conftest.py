@@ -11,6 +11,7 @@
   download carries the `engine`, `server` or `download` marker (its fixtures
   included): the runner's entry points refuse otherwise, so the tiers
   (`-m "not slow"`, `-m "not server"`, ...) select what they say.
+- `load_benchmark(name)` imports `benchmarks/<name>.py` (scripts, not a package).
 - pytest-xdist groups (`--dist loadgroup`): a test file is one group (its
   module fixtures are built once) unless its tests name their own
   `xdist_group`; groups with slow tests are sent first, so the longest ones
@@ -19,7 +20,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:  # before anything imports torch
@@ -97,3 +101,20 @@ def tiny_gemma3(test_models_dir):
 @pytest.fixture(scope="session")
 def tiny_gptoss(test_models_dir):
     return models.build_tiny_gptoss(test_models_dir / "tiny-gptoss")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load_benchmark(name: str):
+    """Import `benchmarks/<name>.py` as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    return _load_benchmark

@@ -9,6 +9,10 @@
   table shows it with its intervals. Its needles are placed for the table's
   128-token window whatever the server reports, so every row scans the
   same prompts.
+- With `--context N` the needles span position 16 to LONG_WINDOW + 32
+  tokens before the end of ~N-token prompts, placed for a window of
+  LONG_WINDOW (beyond a 512-token model sliding window); a context too
+  short for that is refused.
 - An unknown model name stops the demo with one line naming the known ones.
 """
 
@@ -63,3 +67,13 @@ def test_unknown_model_name_is_one_line(capsys):
     assert demo_cli.run(parser.parse_args(["--model", "no-such-model"])) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "smollm2-135m" in err[0]
+
+
+def test_long_prompts_put_needles_beyond_a_model_sliding_window():
+    assert real_model.placement(None) == (real_model.NEEDLE_RANGE, real_model.CHUNKED["window"])
+    needles, window = real_model.placement(4096)
+    lo, hi = map(int, needles.split(":"))
+    assert (lo, window) == (16, real_model.LONG_WINDOW) and window > 512
+    assert hi + window + 32 == 4096
+    with pytest.raises(ValueError, match="too short"):
+        real_model.placement(800)

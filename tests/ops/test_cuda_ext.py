@@ -51,7 +51,7 @@ import pytest
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import cuda_ext
+from vllm_chunked_kv.ops import cuda_ext, dispatch
 
 from . import schedule
 from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,
@@ -257,6 +257,22 @@ def emulated(emulated_module):
 def test_emulated_steps_equal_reference(emulated, name, group):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     assert run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cuda", group=group, tol=1e-4) > 4
+
+
+def test_emulated_decode_step_waits_for_nothing(emulated, load_benchmark):
+    """The decode step of `benchmarks/graph_check.py` through the CUDA wrappers
+    (plan on the device, write_raw, write_chunks, attend): after a warm-up
+    step nothing reads a tensor on the host or copies host data, and every
+    step across chunk boundaries equals the PyTorch path."""
+    graph_check = load_benchmark("graph_check")
+    args = graph_check.parse_args(["--cases", "3x150", "--steps", "9", "--layers", "2",
+                                   "--num-heads", "8", "--num-kv-heads", "2", "--head-size", "32",
+                                   "--mitigations", "boundary", "--dtype", "float32"])
+    stack = graph_check.make_stack(args, torch.device("cpu"))
+    ops = dispatch.ops("cuda")
+    assert graph_check.check_sync(stack, ops, torch.device("cpu")) == {"check": "sync", "ok": True}
+    eager, pages = graph_check.eager_run(stack, ops, bias=False)
+    assert graph_check.check_reference(stack, ops, eager, pages, 1e-4)["ok"]
 
 
 @pytest.mark.parametrize("name, options", KERNEL_SHAPES)

@@ -29,9 +29,8 @@ import pytest
 import torch
 
 from vllm_chunked_kv.core import layout
-from vllm_chunked_kv.backend.attention import decode_plan_on_device
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, build_plan
 
 from .schedule import CONFIGS, Pager, run_schedule

@@ -20,7 +20,6 @@ compressed pages, and the raw pages of its companion layer
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -43,7 +42,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan
+from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
 from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.backend.raw_cache import PagedRows, attach_raw_pages
 from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings
@@ -242,26 +241,6 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
             grid_shifts=shifts,
             num_decodes=num_decodes,
         )
-
-
-DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
-
-
-def decode_plan_on_device(device: torch.device, impl: str | None = None, cfg: ChunkedKVConfig | None = None) -> bool:
-    """Whether uniform decode batches get the device-side plan
-    (`ops/decode_plan.py`): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
-    ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
-    CPU kernels (`impl` ``cpp``: it takes about half the Python plan's time
-    at batch 8 and a fifth at batch 64, benchmarks/README.md, and the kernel
-    reads only the visible slots; the PyTorch path would gather every
-    addressable one). Never with dynamic boundaries (`cfg`), whose unit
-    writes are planned in Python."""
-    choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
-    if choice not in ("auto", "device", "python"):
-        raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
-    if cfg is not None and cfg.boundaries == "dynamic":
-        return False
-    return choice == "device" or (choice == "auto" and (device.type == "cuda" or impl == "cpp"))
 
 
 class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):

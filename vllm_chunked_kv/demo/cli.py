@@ -44,7 +44,7 @@ MODE_MODELS = {"stagger fine-tuned": "stagger_model"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
                         help="model directory (default: the shipped demo model), or a known real model name "
-                        "(smollm2-135m: fetched, served and scanned, see demo/real_model.py)")
+                        "(smollm2-135m, gemma3-270m: fetched, served and scanned, see demo/real_model.py)")
     parser.add_argument("--adapted-model", help="with a real model: its adapted directory (default: the cached "
                         "'models fetch NAME --adapted' directory when there is one)")
     parser.add_argument("--stagger-model", default=str(DEFAULT_STAGGER_MODEL_DIR),
@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-phase", type=int, default=256, help="prompts per position-mod-8 group (x8 per mode)")
     parser.add_argument("--quick", action="store_true", help="64 prompts per group: a fast look, wide intervals")
     parser.add_argument("--window", type=int, default=32, help="raw window of every chunked mode")
+    parser.add_argument("--context", type=int, help="real models: prompts of about this many tokens, needles "
+                        "anywhere beyond 640 tokens from the end (default: ~440-token prompts)")
     parser.add_argument("--sink-tokens", type=int, default=4, help="sink tokens of every chunked mode")
     parser.add_argument("--modes", default=None, help="comma-separated subset of: " + ", ".join(MODES)
                         + " (real models: see demo/real_model.py)")
@@ -163,7 +165,7 @@ def run_real_model(args: argparse.Namespace) -> int:
               f"(vllm-chunked-kv models fetch {args.model} --adapted)", file=sys.stderr)
         adapted = None
     if args.out == "runs/demo":
-        args.out = f"runs/demo-{args.model}"
+        args.out = f"runs/demo-{args.model}" + (f"-{args.context}" if args.context else "")
     args.per_phase = 64 if args.quick else args.per_phase
     return real_model.run(args, model_dir, adapted)
 

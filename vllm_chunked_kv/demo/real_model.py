@@ -31,6 +31,10 @@ CHUNKED = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
 MODES: dict[str, dict | None] = {"default backend": None, **MITIGATION_MODES, "key_norm": {"pooling": "key_norm"}}
 ADAPTED = "adapted"  # prefix of the adapted model's rows
 NEEDLE_RANGE = "16:216"  # needle positions; every prompt is ~440 tokens, the needle >= 200 from its end
+# Long prompts (`--context N`): needles anywhere from position 16 to LONG_WINDOW + 32 tokens before the
+# end, placed for a window of LONG_WINDOW so they lie beyond a 512-token model sliding window (Gemma 3)
+# as well as the 128-token raw window: only compressed rows of the global layers can read them.
+LONG_WINDOW = 640
 SERVE_DEFAULTS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048",
                   "--kv-cache-memory-bytes", str(512 << 20), "--max-num-seqs", "16"]
 
@@ -65,8 +69,19 @@ def serve_defaults(dtype: str | None = None) -> list[str]:
     return defaults
 
 
+def placement(context: int | None) -> tuple[str, int]:
+    """(needle range, window the needles are placed for) for prompts of about `context` tokens;
+    None: the ~440-token prompts of the table."""
+    if context is None:
+        return NEEDLE_RANGE, CHUNKED["window"]
+    hi = context - LONG_WINDOW - 32  # each prompt: hi + ~LONG_WINDOW + a few tokens
+    if hi <= 216:
+        raise ValueError(f"--context {context} is too short for needles beyond {LONG_WINDOW} tokens")
+    return f"16:{hi}", LONG_WINDOW
+
+
 def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
-              window: int = CHUNKED["window"], dtype: str | None = None) -> dict:
+              window: int = CHUNKED["window"], dtype: str | None = None, context: int | None = None) -> dict:
     """Serve `model` in `settings` and run the scanner's needle probe against it; its summary.
 
     The needles are placed for `window` (the table's, `CHUNKED`), not for
@@ -75,19 +90,25 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
     the question), whatever the server answers on /v1/chunked_kv/config.
     A longer `window` pads every prompt so the needles sit further back
     (512: ~750-token prompts, needles 517-730 tokens before the question).
+    With `context`, prompts are about that long instead (`placement`) and
+    `window` is ignored.
     """
     from vllm_chunked_kv.scan import cli as scan_cli
     from vllm_chunked_kv.scan.session import scan
     from vllm_chunked_kv.runner.server import VllmServer
 
+    needles, window = placement(context) if context is not None else (NEEDLE_RANGE, window)
+    defaults = serve_defaults(dtype)
+    if context is not None:
+        defaults[defaults.index("--max-model-len") + 1] = str(context + 256)
     parser = argparse.ArgumentParser()
     scan_cli.add_arguments(parser)
-    with VllmServer(model, mode_args(settings), defaults=serve_defaults(dtype), timeout=600) as server:
+    with VllmServer(model, mode_args(settings), defaults=defaults, timeout=600) as server:
         args = parser.parse_args([
             "--base-url", server.base_url, "--task", str(TASK_FILE), "--probe", "needle", "--hop", "4",
-            "--per-phase", str(per_phase), "--needle-range", NEEDLE_RANGE, "--window", str(window),
+            "--per-phase", str(per_phase), "--needle-range", needles, "--window", str(window),
             "--max-tokens", "6",
-            "--out", str(out), "--fresh", "--no-progress", "--concurrency", "16", "--timeout", "600",
+            "--out", str(out), "--fresh", "--no-progress", "--concurrency", "16", "--timeout", "3600",
         ])
         return asyncio.run(scan(args))
 
@@ -125,14 +146,15 @@ def run(args: argparse.Namespace, model_dir: Path, adapted_dir: Path | None) -> 
         print(f"[{i}/{len(plan)}] {mode}: {4 * args.per_phase} needles ... ", end="", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         slug = mode.replace(" ", "_").replace(",", "").replace(":", "").replace("(", "").replace(")", "")
-        summary = scan_mode(model or model_dir, settings, args.per_phase, out / slug)
+        summary = scan_mode(model or model_dir, settings, args.per_phase, out / slug, context=args.context)
         needle = summary["results"]["needle"]
         correct = sum(p["correct"] for p in needle["by_phase"])
         lo, hi = wilson(correct, needle["probes"])
         rows.append({"mode": mode, "model": str(model or model_dir), "settings": settings,
                      "rows_per_4": rows_per_4(settings), "accuracy_ci": [lo, hi], "needle": needle})
         print(f"{100 * needle['accuracy']:.1f}% in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
-        (out / "real_model.json").write_text(json.dumps({"per_phase": args.per_phase, "rows": rows}, indent=2))
+        (out / "real_model.json").write_text(json.dumps(
+            {"per_phase": args.per_phase, "context": args.context, "rows": rows}, indent=2))
     print(format_table(rows))
     print(f"\n{4 * args.per_phase} needles per mode, {time.monotonic() - started:.0f}s total; {out / 'real_model.json'}")
     return 0

@@ -20,6 +20,8 @@ cache dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -56,10 +58,20 @@ def zero_unused_slots(comp_cache: torch.Tensor, writes: ChunkWrites) -> None:
 
 def fixed_gains(cfg: ChunkedKVConfig, device) -> torch.Tensor:
     """The fixed pooling weight of each slot that the kernels read
-    (``[chunk_size]`` fp32; zeros for key_norm, whose weights come from the keys)."""
-    if cfg.pooling == "key_norm":
-        return torch.zeros(cfg.chunk_size, dtype=torch.float32, device=device)
-    return torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=device)
+    (``[chunk_size]`` fp32; zeros for key_norm, whose weights come from the
+    keys). Made once per device and gains: on a GPU a fresh tensor is a
+    copy from the host, which a captured decode step cannot make."""
+    gains = (0.0,) * cfg.chunk_size if cfg.pooling == "key_norm" else tuple(cfg.normalised_gains())
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _gains(gains, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _gains(gains: tuple[float, ...], device: str) -> torch.Tensor:
+    with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
+        return torch.tensor(gains, dtype=torch.float32, device=device)
 
 
 def step_gains(writes: ChunkWrites, cfg: ChunkedKVConfig, device) -> torch.Tensor:
@@ -81,7 +93,8 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     rows = gather_rows(raw_cache, step_rows, writes.src_blocks, writes.src_offsets, writes.src_step,
                        writes.heads[:, None])  # [M, chunk_size, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
-    key_row, value_row, _ = reference.pool_chunk(keys, values, cfg)  # [M, Dk], [M, Dv]
+    gains = None if cfg.pooling == "key_norm" else step_gains(writes, cfg, comp_cache.device)  # [chunk_size]
+    key_row, value_row, _ = reference.pool_chunk(keys, values, cfg, gains)  # [M, Dk], [M, Dv]
     pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
     kept = [pooled] + ([rows[:, 0], rows[:, -1]] if cfg.keep_boundary else [])  # grid.SlotKind order
     comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = torch.stack(kept, dim=1)
@@ -114,9 +127,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         b, num_q = keys.query_index.shape
         raw = _gather(raw_cache, keys.raw_blocks, keys.raw_offsets)  # [b, Hkv, Nr, Dk + Dv]
         padding = torch.arange(raw.shape[2], device=raw.device)[None, :] >= keys.num_raw[:, None]  # [b, Nr]
-        if padding.any():  # padding rows may hold dropped rows: zero them, they are masked
-            pad_b, pad_n = padding.nonzero(as_tuple=True)
-            raw[pad_b, :, pad_n] = 0
+        raw = raw.masked_fill(padding[:, None, :, None], 0)  # padding rows may hold dropped rows: masked anyway
         own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
         slots = _gather(comp_cache, *keys.slot_tables())  # [b, Hkv, Nc, Dk + Dv]
         q = query[keys.query_index].float()  # [b, L, Hq, D]

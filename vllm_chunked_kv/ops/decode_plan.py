@@ -24,6 +24,7 @@ that do not exist in a given step are padding, never read as data:
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields, replace
 from functools import lru_cache
 
@@ -33,6 +34,26 @@ from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops.step_plan import (NULL_PAGE, ChunkWrites, KeySet, PagedBatch, StepPlan, build_plan,
                                            visibility_bias)
+
+
+DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
+
+
+def decode_plan_on_device(device: torch.device, impl: str | None = None, cfg: ChunkedKVConfig | None = None) -> bool:
+    """Whether uniform decode batches get the device-side plan
+    (this module): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
+    ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
+    CPU kernels (`impl` ``cpp``: it takes about half the Python plan's time
+    at batch 8 and a fifth at batch 64, benchmarks/README.md, and the kernel
+    reads only the visible slots; the PyTorch path would gather every
+    addressable one). Never with dynamic boundaries (`cfg`), whose unit
+    writes are planned in Python."""
+    choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
+    if choice not in ("auto", "device", "python"):
+        raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
+    if cfg is not None and cfg.boundaries == "dynamic":
+        return False
+    return choice == "device" or (choice == "auto" and (device.type == "cuda" or impl == "cpp"))
 
 
 def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
@@ -217,18 +238,29 @@ def _native_plan(module, cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[in
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``torch.arange(n)`` in int64. On CPU one shared tensor per ``n``: a
-    fresh one costs several microseconds, a tenth of a batch-1 plan's time
-    (benchmarks/README.md). Plans only read their tensors."""
-    return _cpu_tensor(n, None) if device.type == "cpu" else torch.arange(n, dtype=torch.long, device=device)
+    """``torch.arange(n)`` in int64, one shared tensor per ``n`` and device:
+    a fresh one costs several microseconds on CPU, a tenth of a batch-1
+    plan's time (benchmarks/README.md). Plans only read their tensors."""
+    return _shared(n, None, _device_key(device))
 
 
 def _constant(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor, shared on CPU (see `_arange`)."""
-    return _cpu_tensor(None, values) if device.type == "cpu" else torch.tensor(values, dtype=torch.long, device=device)
+    """``values`` as an int64 tensor, made once per device: on a GPU a fresh
+    one is a copy from the host every step, which a CUDA graph cannot capture."""
+    return _shared(None, values, _device_key(device))
 
 
-@lru_cache(maxsize=64)
-def _cpu_tensor(n: int | None, values: tuple[int, ...] | None) -> torch.Tensor:
+def _device_key(device: torch.device) -> str:
+    """The device with its index (``cuda`` and ``cuda:0`` name one device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+@lru_cache(maxsize=128)
+def _shared(n: int | None, values: tuple[int, ...] | None, device: str) -> torch.Tensor:
     with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
-        return torch.arange(n, dtype=torch.long) if values is None else torch.tensor(values, dtype=torch.long)
+        if values is None:
+            return torch.arange(n, dtype=torch.long, device=device)
+        return torch.tensor(values, dtype=torch.long, device=device)

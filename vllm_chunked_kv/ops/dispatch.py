@@ -6,7 +6,8 @@ Triton kernels, the C++ CPU kernels (`cpu_ext.py`), or the PyTorch path
   cannot run there (empty: it can).
 - `choose(device, ...)` picks one: on a CUDA device CUDA, then Triton, then
   PyTorch, and with both kernels there ``cuda+triton``: decodes on the
-  CUDA kernels, prefill pieces on Triton's (tensor-core tiles); on a CPU
+  CUDA kernels, prefill pieces on Triton's query tiles (fp32 `tl.dot` in IEEE
+  precision: FMA, not tensor cores); on a CPU
   the C++ kernels (built on first use), then PyTorch (Triton's CPU
   interpreter can run the kernels, far slower than PyTorch, so only when
   asked for by name). It logs one line: the choice, and why
@@ -156,7 +157,7 @@ def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str
             skipped[impl] = reasons
         why = "; ".join(f"not using {impl}: {'; '.join(reasons)}" for impl, reasons in skipped.items())
         if choice == "cuda" and not available("triton", device_type, **shapes):
-            choice = "cuda+triton"  # prefill pieces on Triton's tensor-core tiles, decodes on the CUDA kernels
+            choice = "cuda+triton"  # prefill pieces on Triton's query tiles, decodes on the CUDA kernels
     logger.info("chunked KV kernels on %s: %s%s", device_type, choice, _detail(choice, why))
     _choices[key] = choice
     return choice

@@ -77,8 +77,8 @@ def slot_weights(keys: torch.Tensor, cfg: ChunkedKVConfig) -> torch.Tensor:
     if cfg.pooling != "key_norm":
         fixed = torch.tensor(cfg.normalised_gains(), dtype=torch.float32, device=keys.device)
         return fixed.expand(keys.shape[:-1])  # [chunk_size] -> [..., chunk_size]
-    pooled = torch.zeros(cfg.chunk_size, dtype=torch.bool, device=keys.device)
-    pooled[list(cfg.pooled_slots)] = True
+    slot = torch.arange(cfg.chunk_size, device=keys.device)  # [chunk_size]
+    pooled = (slot >= cfg.pooled_slots.start) & (slot < cfg.pooled_slots.stop)  # [chunk_size]
     norms = keys.float().norm(dim=-1)  # [..., chunk_size, head_dim] -> [..., chunk_size]
     return norms.masked_fill(~pooled, float("-inf")).softmax(dim=-1)
 
