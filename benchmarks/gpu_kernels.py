@@ -60,6 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=ints, default=[8192, 16384, 32768, 65536, 131072])
     p.add_argument("--batches", type=ints, default=[1, 16], help="requests per decode step")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="new tokens of the timed prefill piece (0: none)")
+    add_layer_arguments(p, repeats=20)
+    p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+def add_layer_arguments(p: argparse.ArgumentParser, repeats: int) -> None:
+    """A Llama-3-8B-shaped layer (32 query heads, 8 KV heads of 128, bf16, pages of
+    16 tokens) at chunk 4, window 128, 4 sinks; and the timed repeats."""
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
@@ -68,21 +77,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--copy-bytes", type=int, default=1 << 30)
-    p.add_argument("--json", default=None, help="write the results here")
-    return p.parse_args(argv)
+    p.add_argument("--repeats", type=int, default=repeats)
 
 
 # ------------------------------------------------------------------ measuring
 
 
-def _timer(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` after two warm-up calls."""
+def median_ms(device: torch.device, fn: Callable[[], object], repeats: int,
+              before: Callable[[], object] | None = None) -> float:
+    """Median milliseconds of ``fn`` after two warm-up calls; ``before`` runs
+    untimed ahead of each timed call (e.g. an L2 flush)."""
     for _ in range(2):
         fn()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -101,7 +111,7 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
     """Device copy bandwidth in GB/s (bytes read + written)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    ms = _timer(device, lambda: dst.copy_(src), repeats)
+    ms = median_ms(device, lambda: dst.copy_(src), repeats)
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
@@ -304,7 +314,7 @@ def run_timings(impls, mitigations, args, device, dtype, copy_gbps) -> list[dict
         def record(impl, mitigation, nbytes, fn):
             row = {**base, "impl": impl, "mitigation": mitigation, "kv_bytes": nbytes}
             try:
-                ms = _timer(device, fn, args.repeats)
+                ms = median_ms(device, fn, args.repeats)
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 row.update(ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps, status="ok")
             except Exception as exc:  # one failing kernel must not hide the others' numbers

@@ -1,36 +1,26 @@
 """The decode step as a CUDA graph would capture it, checked and timed without vLLM.
 
-    python benchmarks/graph_check.py --device cuda --jsonl out/graph_check.jsonl
+    python benchmarks/graph_check.py --device cuda --cases 64x32768 --jsonl out/graph_check.jsonl
 
-A Llama-3-8B-shaped stack of attention layers (32 query heads over 8 KV
-heads of 128, bf16, pages of 16 tokens; by default 64 requests at 32k
-context) decodes `--steps` tokens, so that lengths cross chunk boundaries
-and chunks get written. A step does what the backend does for a uniform
-decode batch: the device-side plan (`ops/decode_plan.py`, tensor ops, as on
-a GPU), then per layer `write_raw`, `write_chunks` and `attend` of the chosen
-implementation. One JSON line per result, appended to `--jsonl` as it comes:
+A Llama-3-8B-shaped stack of layers (32 query heads over 8 KV heads of 128,
+bf16, pages of 16 tokens) decodes `--steps` tokens per case (BATCHxCONTEXT),
+crossing chunk boundaries, as the backend runs a uniform decode batch: the
+device-side plan (`ops/decode_plan.py`), then per layer `write_raw`,
+`write_chunks` and `attend`. One JSON line per result, appended as it comes:
+``sync`` (after a warm-up, a whole step under `host_sync.no_host_sync`;
+on CUDA also ``set_sync_debug_mode("error")``), ``reference`` (every step's
+outputs and written pages against the PyTorch path with its dense bias, which
+the schedule harness holds to `reference.py`; small cases), ``graph`` (CUDA:
+the step captured once and replayed for every step, equal to eager), and
+``timing`` (medians, L2 flushed before each repeat: eager step, graph replay,
+the step's kernels one by one, torch SDPA over the full contiguous K/V of one
+layer with GQA folded, the copy bandwidth, bytes read against it).
 
-- ``sync``: after a warm-up step, a whole step under `host_sync.no_host_sync`
-  (no host read of a tensor, no tensor made from host data; on CUDA also
-  ``torch.cuda.set_sync_debug_mode("error")``);
-- ``reference``: every step's outputs and the compressed pages written, against
-  the PyTorch path (`compressed.attend` with the plan's dense bias, which the
-  schedule harness holds to `reference.py`) run from the same pages;
-- ``graph`` (CUDA): the step captured once in `torch.cuda.graph` and
-  replayed for every step from the same starting pages: outputs and pages
-  equal the eager run's;
-- ``timing``: medians with L2 flushed before each repeat: the eager step,
-  the graph replay, the step's kernels timed one at a time and summed, the
-  chunked attention of one layer, torch SDPA over the full contiguous K/V of
-  one layer (GQA folded: a KV head's queries as one block, each KV byte read
-  once), the device copy bandwidth, and the bytes each attention reads
-  against it.
-
-Pages hold random rows (any rows are a state the kernels must read
-correctly): compressed pages for the whole context, raw pages only for the
-kept leading rows and the raw window (the rest of the raw block table points
-at the null page 0, as vLLM frees them). On CPU (CI) the same checks run
-eagerly at small shapes; graph capture is reported as skipped.
+Pages hold random rows (a state the kernels must read correctly): compressed
+pages for the whole context, raw pages only for the kept leading rows and
+the raw window (the rest of the raw table is the null page 0, as vLLM frees
+them). On CPU (CI) the checks run eagerly at small shapes; graph capture is
+reported as skipped.
 """
 
 from __future__ import annotations
@@ -40,9 +30,7 @@ import json
 import math
 import platform
 import signal
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +43,8 @@ from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.host_sync import no_host_sync
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
+from gpu_kernels import DTYPES, add_layer_arguments, copy_bandwidth, make_cfg, median_ms  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,15 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated BATCHxCONTEXT (context: tokens per request after the last step)")
     p.add_argument("--steps", type=int, default=8, help="decode steps (crossing chunk boundaries)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--num-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=4)
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--sink-tokens", type=int, default=4)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--repeats", type=int, default=10)
+    add_layer_arguments(p, repeats=10)
     p.add_argument("--reference-max-tokens", type=int, default=1 << 19,
                    help="compare with the PyTorch path only where batch x context is at most this (it gathers "
                    "every slot in fp32); 0: never")
@@ -124,17 +105,21 @@ class Stack:
     def clone_pages(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [c.clone() for c in self.comp], [r.clone() for r in self.raw]
 
+    def plan(self, seq_lens: torch.Tensor, origins: tuple[int, ...], bias: bool):
+        """The device-side decode plan (tensor ops, as on a GPU)."""
+        return build_decode_plan(seq_lens, self.block_table, self.block_size, self.raw_table, self.raw_block_size,
+                                 self.cfg, list(origins), bias=bias, native=False)
 
-def make_cfg(args: argparse.Namespace) -> ChunkedKVConfig:
-    settings = dict(window=args.window, sink_tokens=args.sink_tokens, mitigation=args.mitigation)
-    if args.mitigation != "stride2":
-        settings["chunk_size"] = args.chunk_size
-    return ChunkedKVConfig(**settings)
+    def raw_slots(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[b] raw slot of each request's new row (position seq_len - 1), on the device."""
+        t = seq_lens.long() - 1  # [b]
+        page = self.raw_table.long().gather(1, (t // self.raw_block_size)[:, None])[:, 0]  # [b]
+        return page * self.raw_block_size + t % self.raw_block_size
 
 
 def make_stack(args: argparse.Namespace, device: torch.device, seed: int = 0) -> Stack:
     torch.manual_seed(seed)
-    cfg, dtype, b, d = make_cfg(args), DTYPES[args.dtype], args.batch, args.head_size
+    cfg, dtype, b, d = make_cfg(args.mitigation, args), DTYPES[args.dtype], args.batch, args.head_size
     hkv = args.num_kv_heads
     per_block = layout.states_per_block(cfg, args.block_size)
     raw_bs = per_block  # raw rows per page: a compressed page's states (`raw_cache.raw_spec`)
@@ -167,19 +152,15 @@ def decode_step(stack: Stack, ops, comp, raw, seq_lens, inputs, outputs, *, bias
     """One uniform decode step, as the backend runs it: the device-side plan
     (once per grid), then per layer write_raw, write_chunks and attend into
     ``outputs[layer]`` ``[b, Hq, D]``. Waits for nothing (`no_host_sync`)."""
-    cfg, raw_bs = stack.cfg, stack.raw_block_size
-    t = seq_lens.long() - 1  # [b] the step's position
-    page = stack.raw_table.long().gather(1, (t // raw_bs)[:, None])[:, 0]  # [b]
-    slots = page * raw_bs + t % raw_bs  # [b] raw slot of each new row
+    slots = stack.raw_slots(seq_lens)  # [b]
     plans = {}
     for layer, origins in enumerate(stack.origins):
         if origins not in plans:
-            plans[origins] = build_decode_plan(seq_lens, stack.block_table, stack.block_size, stack.raw_table,
-                                               raw_bs, cfg, list(origins), bias=bias, native=False)
+            plans[origins] = stack.plan(seq_lens, origins, bias)
         plan = plans[origins]
         query, rows = inputs[layer]
         ops.write_raw(raw[layer], rows, slots, plan.raw_writes)
-        ops.write_chunks(comp[layer], raw[layer], rows, plan.writes, cfg, stack.head_size)
+        ops.write_chunks(comp[layer], raw[layer], rows, plan.writes, stack.cfg, stack.head_size)
         ops.attend(query, rows, comp[layer], raw[layer], plan, stack.scale, out=outputs[layer])
 
 
@@ -282,29 +263,7 @@ class Timer:
         self.flush = torch.empty(256 << 20 if device.type == "cuda" else 1 << 20, dtype=torch.uint8, device=device)
 
     def __call__(self, fn) -> float:
-        fn()  # warm-up
-        samples = []
-        for _ in range(self.repeats):
-            self.flush.zero_()
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(self.device)
-                samples.append(start.elapsed_time(end))
-            else:
-                began = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(samples)
-
-
-def copy_bandwidth(timer: Timer, num_bytes: int) -> float:
-    """Device copy bandwidth in GB/s (bytes read + written)."""
-    src = torch.ones(num_bytes, dtype=torch.uint8, device=timer.device)
-    dst = torch.empty_like(src)
-    return 2 * num_bytes / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+        return median_ms(self.device, fn, self.repeats, before=self.flush.zero_)
 
 
 def attention_bytes(plan, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
@@ -332,15 +291,10 @@ def timings(stack: Stack, ops, args, device: torch.device, graph_state) -> dict:
     lens, inputs = stack.lens[-1], stack.inputs[-1]
     outputs = [torch.empty_like(q) for q, _ in inputs]
     step_ms = timer(lambda: decode_step(stack, ops, comp, raw, lens, inputs, outputs, bias=ops.needs_bias))
-    plan = build_decode_plan(lens, stack.block_table, stack.block_size, stack.raw_table, stack.raw_block_size,
-                             stack.cfg, list(stack.origins[0]), bias=ops.needs_bias, native=False)
-    t = lens.long() - 1
-    slots = stack.raw_table.long().gather(1, (t // stack.raw_block_size)[:, None])[:, 0] * stack.raw_block_size
+    plan, slots = stack.plan(lens, stack.origins[0], ops.needs_bias), stack.raw_slots(lens)
     q, rows = inputs[0]
     parts = {
-        "plan": timer(lambda: build_decode_plan(lens, stack.block_table, stack.block_size, stack.raw_table,
-                                                stack.raw_block_size, stack.cfg, list(stack.origins[0]),
-                                                bias=ops.needs_bias, native=False)),
+        "plan": timer(lambda: stack.plan(lens, stack.origins[0], ops.needs_bias)),
         "write_raw": timer(lambda: ops.write_raw(raw[0], rows, slots, plan.raw_writes)),
         "write_chunks": timer(lambda: ops.write_chunks(comp[0], raw[0], rows, plan.writes, stack.cfg,
                                                        stack.head_size)),
@@ -351,7 +305,7 @@ def timings(stack: Stack, ops, args, device: torch.device, graph_state) -> dict:
     graph_ms = None
     if graph_state is not None:
         graph_ms = timer(graph_state[0].replay)
-    copy_gbs = copy_bandwidth(timer, (1 << 30) if device.type == "cuda" else (64 << 20))
+    copy_gbs = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20), args.repeats)
     chunked_bytes = attention_bytes(plan, args.num_kv_heads, args.head_size, DTYPES[args.dtype])
     sdpa_ms, sdpa_bytes = sdpa_baseline(args, timer, lens.tolist())
     attend_gbs = chunked_bytes / (parts["attend"] * 1e-3) / 1e9

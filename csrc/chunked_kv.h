@@ -73,6 +73,7 @@ struct AttendArgs {
   float scale, log_weight;
   float softcap;       // the model's logit cap: logit = softcap * tanh(logit / softcap); 0: none
   const float* sinks;  // [num_heads] the model's learned sink logits (in each softmax's denominator), or null
+  int lookback;        // the layer's own sliding window: a query at t reads position j only if t - j < lookback; 0: none
 };
 
 // Merge the split partials of attend into out [num_tokens, num_heads, head_dv].

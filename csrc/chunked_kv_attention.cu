@@ -147,9 +147,17 @@ __device__ __forceinline__ void fold(const AttendArgs& a, const Tile& t, const S
     for (int e = tid; e < t.rows * kBlockKeys; e += kThreads) {  // logits of every (query row, key)
       const int r = e / kBlockKeys, n = e % kBlockKeys;
       const int tag = sh.key_tag[n];
-      const bool visible = source == Source::kSlots
-                               ? tag >= 0 && tag < sh.row_slot_limit[r]
-                               : tag >= 0 && tag <= sh.row_t[r] && (tag < t.prefix_end || tag >= sh.row_raw_from[r]);
+      bool visible = source == Source::kSlots
+                         ? tag >= 0 && tag < sh.row_slot_limit[r]
+                         : tag >= 0 && tag <= sh.row_t[r] && (tag < t.prefix_end || tag >= sh.row_raw_from[r]);
+      if (visible && a.lookback > 0) {  // the layer's own sliding window: the position a row leaves it by
+        int leaves = tag;
+        if (source == Source::kSlots) {  // grid.slot_position: a kept first token's own, else its chunk's last
+          const int first = t.origin + (slot_group(tag, a.slots_per_group) - t.first_group) * a.hop;
+          leaves = slot_kind(tag, a.slots_per_group) == kFirst ? first : first + a.chunk_size - 1;
+        }
+        visible = sh.row_t[r] - leaves < a.lookback;
+      }
       float logit = -INFINITY;
       if (visible) {
         const float* q = sh.q + r * a.head_d;
@@ -240,9 +248,13 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
   const int pre_hi = min(max(min(t.prefix_end, lo_seal.raw_from) - t.p0, 0), tail_hi);
   const int tail_lo = max(lo_seal.raw_from - t.p0, 0);
   const int limit = min(static_cast<int>(a.num_slots[t.row]), a.slots_per_group * (hi_seal.sealed + t.first_group));
+  // With a sliding window, slots start at the first chunk whose last token the first query still sees
+  // (grid.first_lookback_slot): vLLM may have freed the pages below it.
+  const int behind = t_lo - a.lookback - t.origin - a.chunk_size + 1;
+  const int slot_lo = a.lookback > 0 ? a.slots_per_group * ((behind >= 0 ? behind / a.hop + 1 : 0) + t.first_group) : 0;
   for (int part = 0; part < 4; ++part) {
     const Source source = part == 0 ? Source::kStored : part == 3 ? Source::kSlots : Source::kOwn;
-    const int lo = part == 2 ? tail_lo : 0;
+    const int lo = part == 2 ? tail_lo : part == 3 ? slot_lo : 0;
     const int hi = part == 0 ? static_cast<int>(a.num_raw[t.row]) : part == 1 ? pre_hi : part == 2 ? tail_hi : limit;
     fold<TQ, TC>(a, t, sh, source, lo, hi);
   }

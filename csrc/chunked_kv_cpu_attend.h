@@ -62,7 +62,13 @@ struct TileQueries {  // the queries of one tile
   int64_t count, t_lo;
   Seal s[kMaxTileRows];
   int64_t prefix_end, origin, first_group;
+  int64_t lookback;  // the layer's own sliding window (0: none)
 };
+
+// Whether the query at t reads position j through a sliding window of `lookback` tokens (0: none).
+static inline bool in_window(int64_t t, int64_t j, int64_t lookback) { return lookback == 0 || t - j < lookback; }
+
+static inline int64_t floor_div(int64_t x, int64_t d) { return x >= 0 ? x / d : -((-x + d - 1) / d); }
 
 // Rows past the end of a short block are seen by no query.
 static inline void hide_beyond(Block& b, int64_t queries) {
@@ -85,7 +91,8 @@ static void fold_raw(Tile& t, Block& b, const TileQueries& tq, int64_t lo, int64
       const int64_t j = pos(i0 + n);
       bool any = false;
       for (int m = 0; m < tq.count; ++m) {
-        const bool v = (j < tq.prefix_end || j >= tq.s[m].raw_from) && j <= tq.t_lo + m;
+        const bool v = (j < tq.prefix_end || j >= tq.s[m].raw_from) && j <= tq.t_lo + m &&
+                       in_window(tq.t_lo + m, j, tq.lookback);
         b.add[m][n] = v ? 0.f : -INFINITY;
         any |= v;
       }
@@ -125,9 +132,10 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
       const int64_t first = tq.origin + k * a.hop;
       const bool exists = k >= 0 && (kind == kFirst ? first >= a.sink_tokens : first + a.chunk_size - 1 >= a.sink_tokens);
       const float bias = kind == kPooled ? a.log_weight : 0.f;
+      const int64_t leaves = kind == kFirst ? first : first + a.chunk_size - 1;  // grid.slot_position
       bool any = false;
       for (int m = 0; m < tq.count; ++m) {
-        const bool v = exists && s < spg * (tq.s[m].sealed + tq.first_group);
+        const bool v = exists && s < spg * (tq.s[m].sealed + tq.first_group) && in_window(tq.t_lo + m, leaves, tq.lookback);
         b.add[m][n] = v ? bias : -INFINITY;
         any |= v;
       }
@@ -164,6 +172,7 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   tq.origin = a.origins[row * a.num_kv_heads + head];  // the request's grid on this KV head
   tq.first_group = (tq.origin + a.chunk_size - 1) / a.hop;
   tq.prefix_end = max64(a.sink_tokens, tq.origin);
+  tq.lookback = a.lookback;
   for (int m = 0; m < tq.count; ++m) tq.s[m] = seal(a, tq.t_lo + m, tq.origin);
   t.rows = static_cast<int>(tq.count) * group;
   t.packed = t.rows > kPackRows;
@@ -185,8 +194,14 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   const int64_t tail_hi = t_hi - p0 + 1, tail_lo = max64(raw_lo - p0, 0);
   const int64_t pre_hi = min64(max64(min64(tq.prefix_end, raw_lo) - p0, 0), tail_hi);
   const int64_t limit = min64(a.num_slots[row], a.slots_per_group * (sealed_hi + tq.first_group));
-  const int64_t lens[4] = {num_raw, pre_hi, max64(tail_hi - tail_lo, 0), max64(limit, 0)};
-  const int64_t starts[4] = {0, 0, tail_lo, 0};
+  // With a sliding window, slots start at the first chunk whose last token the first query still sees
+  // (grid.first_lookback_slot): vLLM may have freed the pages below it.
+  const int64_t slot_lo = a.lookback ? a.slots_per_group * (max64(0, floor_div(tq.t_lo - a.lookback - tq.origin -
+                                                                                  a.chunk_size + 1, a.hop) + 1) +
+                                                            tq.first_group)
+                                     : 0;
+  const int64_t lens[4] = {num_raw, pre_hi, max64(tail_hi - tail_lo, 0), max64(limit - slot_lo, 0)};
+  const int64_t starts[4] = {0, 0, tail_lo, slot_lo};
   const int64_t total = lens[0] + lens[1] + lens[2] + lens[3];
   const int64_t lo = total * split / a.num_splits, hi = total * (split + 1) / a.num_splits;
   int64_t range[4][2], offset = 0;

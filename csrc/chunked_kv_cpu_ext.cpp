@@ -144,7 +144,8 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
             const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
             const Tensor& num_slots, int64_t comp_rows_per_page, const Tensor& origins, double scale,
             double log_weight, int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop,
-            int64_t slots_per_group, int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks) {
+            int64_t slots_per_group, int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks,
+            int64_t lookback) {
   check_rows(query, "query", 3);
   check_rows(step_rows, "step_rows", 3);
   check_rows(comp_cache, "comp_cache", 4);
@@ -217,6 +218,8 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
                 "chunked_kv: sinks must be fp32 [num_heads]");
     a.sinks = sinks.data_ptr<float>();
   }
+  TORCH_CHECK(lookback >= 0, "chunked_kv: lookback must be >= 0");
+  a.lookback = lookback;
   a.num_threads = at::get_num_threads();
   ++g_attend_calls;
   if (a.num_rows && a.num_q) table().attend(a);

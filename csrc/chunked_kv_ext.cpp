@@ -133,7 +133,7 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
             const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
             const Tensor& num_slots, const Tensor& origins, double scale, double log_weight, int64_t window,
             int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group,
-            int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks) {
+            int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks, int64_t lookback) {
   check_rows(query, query, "query", 3);
   check_rows(step_rows, query, "step_rows", 3);
   check_rows(comp_cache, query, "comp_cache", 4);
@@ -218,6 +218,8 @@ void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cac
                 "chunked_kv: sinks must be fp32 [num_heads] on the query's device");
     a.sinks = sinks.data_ptr<float>();
   }
+  TORCH_CHECK(lookback >= 0, "chunked_kv: lookback must be >= 0");
+  a.lookback = to_int(lookback, "lookback");
   int multiprocessors = 0, max_shared = 0;
   check_launch(chunked_kv::device_limits(query.device().index(), &multiprocessors, &max_shared));
   const size_t shared = chunked_kv::attend_shared_bytes(a.tile_q * (a.num_heads / a.num_kv_heads), a.head_d, a.head_dv);

@@ -103,6 +103,11 @@ def tiny_gptoss(test_models_dir):
     return models.build_tiny_gptoss(test_models_dir / "tiny-gptoss")
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral(test_models_dir):
+    return models.build_tiny_mistral(test_models_dir / "tiny-mistral")
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

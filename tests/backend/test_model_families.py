@@ -17,11 +17,27 @@ sliding layer then a global one); windows of 16.
   global layers and the exact window in the sliding ones (`hf.attention`),
   and compression matters (full attention in the global layers answers
   differently).
+
+With `sliding_window_layers: compress` the sliding-window layers are
+compressed too, each query reading within its layer's window; tiny-mistral
+(a window of 16 on both layers, refused without the setting) and
+tiny-gemma3 (two compressed sliding layers and a global one):
+
+- at chunk 1 (every row exact) greedy tokens equal the default backend's,
+  with prefix hits counted, and the log says the sliding layers are
+  compressed;
+- at chunk 4 with a raw window of 4 (smaller than the model's 16, so
+  compressed rows are read inside it), for none, boundary and stagger
+  (tiny-gemma3: boundary): greedy tokens equal the reference with the layer's window
+  (`reference.visible_set`, ``lookback``), and differ from full attention;
+- vLLM frees the compressed pages behind each layer's window: at 1,024-token
+  requests it admits more of them than the default backend does.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -82,3 +98,38 @@ def test_raw_window_matches_default_backend(model_fixture, request, tmp_path):
 def test_vllm_equals_reference(model_fixture, mitigation, request):
     check_vllm_equals_reference(request.getfixturevalue(model_fixture), {"window": WINDOW, "mitigation": mitigation},
                                 seed=len(mitigation))
+
+
+COMPRESS = {"sliding_window_layers": "compress"}
+SLIDING_MODELS = ["tiny_mistral", "tiny_gemma3"]
+
+
+@pytest.mark.parametrize("model_fixture", SLIDING_MODELS)
+def test_compressed_windows_at_chunk_1_match_default_backend(model_fixture, request):
+    model = request.getfixturevalue(model_fixture)
+    rounds = make_rounds()
+    engine = dict(max_num_batched_tokens=32, enable_prefix_caching=True)
+    default = generate(model, engine, rounds)
+    settings = {"chunk_size": 1, "window": 16, "sink_tokens": 0, **COMPRESS}
+    chunked = generate(model, {**engine, "attention_backend": "chunked_kv", "additional_config": {"chunked_kv": settings}},
+                       rounds)
+    assert "sliding-window layers are compressed too" in chunked["log"]
+    assert chunked["outputs"] == default["outputs"]
+    assert chunked["cached_tokens"][0] == 0 and chunked["cached_tokens"][1] >= 32
+
+
+@pytest.mark.parametrize("model_fixture, mitigation", [("tiny_mistral", "none"), ("tiny_mistral", "boundary"),
+                                                        ("tiny_mistral", "stagger"), ("tiny_gemma3", "boundary")])
+def test_compressed_windows_equal_reference(model_fixture, mitigation, request):
+    check_vllm_equals_reference(request.getfixturevalue(model_fixture),
+                                {"window": 4, "mitigation": mitigation, **COMPRESS}, seed=len(mitigation))
+
+
+def test_compressed_windows_free_their_pages(tiny_mistral):
+    def concurrency(engine: dict) -> float:
+        log = generate(tiny_mistral, {"max_model_len": 1024, **engine}, [[[2, 20, 21]]], max_tokens=1)["log"]
+        return float(re.search(r"Maximum concurrency for 1,024 tokens per request: ([\d.,]+)x", log)[1].replace(",", ""))
+
+    chunked = {"attention_backend": "chunked_kv",
+               "additional_config": {"chunked_kv": {"chunk_size": 4, "window": 4, **COMPRESS}}}
+    assert concurrency(chunked) > concurrency({})

@@ -114,6 +114,9 @@ def test_presets_fill_fields(settings, chunk_size, hop, keep_boundary, stagger):
         ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "align": "prompt_end"}, "align"),
         ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "pooling": "key_norm"}, "pooling"),
         ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "proportional": False}, "proportional"),
+        ({"sliding_window_layers": "all"}, "sliding_window_layers"),
+        ({"boundaries": "dynamic", "min_chunk": 2, "window": 16, "sliding_window_layers": "compress"},
+         "sliding_window_layers"),
     ],
 )
 def test_bad_values_name_the_field_in_one_line(settings, field):

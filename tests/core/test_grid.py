@@ -15,7 +15,9 @@
 - with per-request alignment (`align: prompt_end`, `grid.shifted` by
   `grid_shift`), what the last prompt token's query sees, counted back
   from the prompt's end, is the same for every prompt length; without it,
-  it changes with the prompt length mod hop.
+  it changes with the prompt length mod hop;
+- in a layer with the model's own sliding window, the slots below
+  `first_lookback_slot` are hidden (or hold no chunk) and the one at it is seen.
 """
 
 from __future__ import annotations
@@ -140,3 +142,23 @@ def test_align_makes_the_last_prompt_query_see_the_same_grid_at_every_length(set
         seen = {_seen_from_the_end(aligned, n, grid.shifted(aligned, origin, aligned.grid_shift(n))) for n in lengths}
         assert len(seen) == 1
         assert len({_seen_from_the_end(fixed, n, origin) for n in lengths}) == fixed.hop
+
+
+@pytest.mark.parametrize("settings", [dict(chunk_size=4, window=4), dict(mitigation="overlap", chunk_size=4, window=4),
+                                      dict(mitigation="boundary", chunk_size=5, window=5)])
+@pytest.mark.parametrize("origin", [0, 1])
+def test_first_lookback_slot_is_the_first_slot_a_window_can_show(settings, origin):
+    """Every slot below `first_lookback_slot` holds no chunk (a group below
+    the head's first) or one the window hides (`slot_position` behind it);
+    the slot group at it holds a chunk whose last token the query still sees."""
+    cfg = ChunkedKVConfig(**settings)
+    origin = origin % cfg.hop
+    spg = grid.slots_per_group(cfg)
+    for t in range(60):
+        for lookback in (1, 5, 13):
+            lo = grid.first_lookback_slot(cfg, t, lookback, origin)
+            assert all(not grid.in_lookback(t, grid.slot_position(cfg, s, origin), lookback)
+                       for s in range(lo) if grid.slot_chunk(cfg, s, origin) >= 0)
+            k = grid.slot_chunk(cfg, lo, origin)
+            assert lo % spg == 0 and grid.chunk_in_lookback(cfg, k, t, lookback, origin)
+            assert k == 0 or not grid.chunk_in_lookback(cfg, k - 1, t, lookback, origin)

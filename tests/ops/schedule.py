@@ -59,8 +59,11 @@ class Pager:
     """Pages of several requests, allocated and dropped the way vLLM's managers do."""
 
     def __init__(self, cfg: ChunkedKVConfig, origins: list[int], block_size: int, num_reqs: int, *,
-                 num_kv_heads: int, row: int, dtype=torch.float32, device="cpu", cache_all: bool = False):
+                 num_kv_heads: int, row: int, dtype=torch.float32, device="cpu", cache_all: bool = False,
+                 lookback: int = 0, stale_freed: bool = False):
         self.cfg, self.origins, self.block_size, self.cache_all = cfg, origins, block_size, cache_all
+        self.lookback = lookback  # a layer's own sliding window: its compressed pages are freed behind it
+        self.stale_freed = stale_freed  # freed pages stay in the tables (NaN): a kernel must not read them
         self.per_block = layout.states_per_block(cfg, block_size)
         self.raw_block_size = self.per_block  # equal pages, as the backend declares them
         self.keep = grid.forever_raw(cfg, grid.possible_origins(cfg, origins))
@@ -90,6 +93,20 @@ class Pager:
         raw = self.tables[r][1]
         for j in range(self.keep, first_kept):
             self.raw[raw[j // self.raw_block_size], :, j % self.raw_block_size] = float("nan")
+
+    def free_outside_lookback(self, r: int, computed: int) -> None:
+        """With a model sliding window, free the compressed pages vLLM's
+        sliding-window manager frees: every page whose tokens all lie before
+        ``computed - lookback + 1``: the page becomes NaN and its table entry
+        the null page, or with ``stale_freed`` stays (a kernel that reads
+        below its first visible slot then fails)."""
+        if not self.lookback:
+            return
+        comp = self.tables[r][0]
+        for p in range(max(0, computed - self.lookback + 1) // self.block_size):
+            if comp[p]:
+                self.comp[comp[p]] = float("nan")
+                comp[p] = comp[p] if self.stale_freed else 0
 
     def batch(self, steps: list[tuple[int, int, int]]) -> PagedBatch:
         """steps: (request, first position, end position) of each scheduled request."""
@@ -131,7 +148,7 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
                  group: int = 2, head_size: int = 8, head_size_v: int | None = None, decode_only: bool = False,
                  dtype=torch.float32, device="cpu", tol: float = 1e-5, attend_kwargs: dict | None = None,
                  cache_all: bool = False, decode_plan: bool = False, softcap: float = 0.0,
-                 sinks: bool = False) -> int:
+                 sinks: bool = False, lookback: int = 0) -> int:
     """Run one random schedule through the ops of ``impl`` (`dispatch.ops`)
     and check every step against the reference; returns the number of steps.
     Other implementations than PyTorch's also write each step's chunks
@@ -141,7 +158,9 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     computes one token use `decode_plan.build_decode_plan`, mixed steps
     `decode_plan.build_mixed_plan` (at least one is checked). ``softcap``
     and ``sinks`` (random learned sink logits, one per query head) give the
-    model's logit options to the reference and to `attend`."""
+    model's logit options to the reference and to `attend`; ``lookback`` a
+    model sliding window, behind which compressed pages are freed as vLLM
+    frees them (`Pager.free_outside_lookback`)."""
     ops = dispatch.ops(impl)
     head_size_v = head_size_v or head_size
     origins = cfg.origins(0, num_kv_heads)
@@ -150,7 +169,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     sizes = [layout.block_multiple(cfg) * pages for pages in (2, 4, 16)]  # raw pages shorter and longer than the window
     block_size = rng.choice([size for size in sizes if _fits(cfg, size)])
     pager = Pager(cfg, origins, block_size, len(lengths), num_kv_heads=num_kv_heads, row=head_size + head_size_v,
-                  dtype=dtype, device=device, cache_all=cache_all)
+                  dtype=dtype, device=device, cache_all=cache_all, lookback=lookback,
+                  stale_freed=ops.name != "torch")  # the PyTorch path gathers every slot, hidden or not
     # With `align`, request r's prompt is its first prompt_lens[r] positions (the rest decodes).
     prompt_lens = [random.Random(seed + r).randint(1, n) for r, n in enumerate(lengths)]
     pager.grid_shifts = [cfg.grid_shift(p) for p in prompt_lens]
@@ -159,6 +179,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     k = [(torch.randn(n, num_kv_heads, head_size, generator=gen) * 2).to(dtype) for n in lengths]
     v = [torch.randn(n, num_kv_heads, head_size_v, generator=gen).to(dtype) for n in lengths]
     logit_options = {"softcap": softcap} if softcap else {}
+    if lookback:
+        logit_options["lookback"] = lookback
     if sinks:
         logit_options["sinks"] = torch.randn(num_kv_heads * group, generator=gen) * 2  # [Hq]
     want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5,
@@ -175,6 +197,7 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
             continue
         for r, lo, hi in steps:
             pager.drop_outside_window(r, lo)
+            pager.free_outside_lookback(r, lo)
             pager.allocate(r, hi)
         if decode_plan:  # vLLM's order for the backend (reorder_batch_threshold): one-token requests first
             steps.sort(key=lambda step: step[2] - step[1] != 1)
@@ -227,7 +250,8 @@ def _write_chunks(ops, pager: Pager, step_rows, writes, cfg: ChunkedKVConfig, he
     pager.comp[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = float("nan")
     ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size)
     # Page 0 is the null page: a decode plan's empty entries write there, in any order; nothing reads it.
-    torch.testing.assert_close(pager.comp[1:].float(), want[1:].float(), atol=tol, rtol=tol)
+    # Pages freed behind a model sliding window are NaN in both.
+    torch.testing.assert_close(pager.comp[1:].float(), want[1:].float(), atol=tol, rtol=tol, equal_nan=True)
 
 
 # ------------------------------------------- checks shared by the kernel tests
@@ -252,8 +276,11 @@ KERNEL_SHAPES = [
 ]
 
 
-# A model's logit options, as `run_schedule` takes them (Gemma 2's cap; GPT-OSS's sinks).
-LOGIT_OPTIONS = {"softcap": dict(softcap=4.0), "sinks": dict(sinks=True), "softcap-sinks": dict(softcap=4.0, sinks=True)}
+# A model's logit options, as `run_schedule` takes them (Gemma 2's cap; GPT-OSS's sinks), and a layer's own
+# sliding window.
+LOGIT_OPTIONS = {"softcap": dict(softcap=4.0), "sinks": dict(sinks=True), "softcap-sinks": dict(softcap=4.0, sinks=True),
+                 # a layer's own sliding window (Mistral, Gemma's local layers compressed): 11 tokens
+                 "window": dict(lookback=11), "window-sinks": dict(lookback=11, sinks=True)}
 # The kernels' shapes checked with each of them: a split context (the sink in split 0's softmax only), query
 # tiles, bf16.
 LOGIT_SHAPES = {

@@ -47,10 +47,12 @@ def sdpa(q, k, v):
     return out.transpose(0, 1)
 
 
-def capped_sink_attention(q, k, v, softcap: float, sinks):
+def capped_sink_attention(q, k, v, softcap: float, sinks, lookback: int = 0):
     """Causal attention written out: logits q.k / sqrt(D), capped to
     softcap * tanh(x / softcap) when softcap > 0, a sink logit per query head
-    ``[H]`` (or None) in each softmax's denominator. [T, H, D] -> [T, H, Dv]."""
+    ``[H]`` (or None) in each softmax's denominator, keys at least
+    ``lookback`` positions back hidden (a sliding window; 0: none).
+    [T, H, D] -> [T, H, Dv]."""
     seq_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     out = torch.empty(seq_len, num_heads, v.shape[-1])
@@ -59,7 +61,10 @@ def capped_sink_attention(q, k, v, softcap: float, sinks):
         logits = q[:, h] @ keys.T / head_dim ** 0.5  # [T, T]
         if softcap > 0:
             logits = softcap * torch.tanh(logits / softcap)
-        logits = logits.masked_fill(torch.ones(seq_len, seq_len).triu(1).bool(), float("-inf"))
+        hidden = torch.ones(seq_len, seq_len).triu(1).bool()  # [T, T] later keys
+        if lookback:
+            hidden |= torch.ones(seq_len, seq_len).tril(-lookback).bool()  # keys t - j >= lookback
+        logits = logits.masked_fill(hidden, float("-inf"))
         if sinks is not None:
             logits = torch.cat([logits, sinks[h].expand(seq_len, 1)], dim=1)  # [T, T + 1]
         out[:, h] = logits.softmax(dim=-1)[:, :seq_len] @ values

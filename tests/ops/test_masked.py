@@ -1,10 +1,11 @@
 """Contract of vllm_chunked_kv.ops.masked, the vectorised form of the reference.
 
 - Its masks equal the per-query ``visible_set`` of the reference for every
-  query and head, and every row it shows is a sealed chunk.
+  query and head, with and without a model sliding window (``lookback``),
+  and every row it shows is a sealed chunk.
 - The whole-sequence masked attention equals `reference_chunked_attention`
   (the per-query loop) on odd lengths, 1-token sequences and GQA ratios 1,
-  2, 4, for any valid config and grid origins.
+  2, 4, for any valid config and grid origins, with and without a window.
 - `extended_kv` appends one padded row per chunk and head, with a bias of
   ``-inf``, ``0`` on raw rows and ``log_weight`` on pooled rows; origins out
   of ``[0, hop)`` are refused, as are slot weights with dynamic boundaries
@@ -29,25 +30,27 @@ torch.set_num_threads(1)
 
 
 @settings(max_examples=25, deadline=None)
-@given(cfg=configs(), seq_len=st.integers(1, 50), origins=ORIGINS)
-def test_masks_equal_visible_set(cfg, seq_len, origins):
+@given(cfg=configs(), seq_len=st.integers(1, 50), origins=ORIGINS, lookback=st.sampled_from([0, 1, 7, 20]))
+def test_masks_equal_visible_set(cfg, seq_len, origins, lookback):
     o = pick_origins(origins, cfg, 3)
-    raw, rows = visibility(seq_len, cfg, torch.tensor(o))  # [T, Hkv, T], [T, Hkv, N]
+    raw, rows = visibility(seq_len, cfg, torch.tensor(o), lookback=lookback)  # [T, Hkv, T], [T, Hkv, N]
     for t in range(seq_len):
         for h, origin in enumerate(o):
-            want_raw, want_rows = visible_set(t, cfg, origin)
+            want_raw, want_rows = visible_set(t, cfg, origin, lookback)
             assert raw[t, h].nonzero().flatten().tolist() == want_raw
             assert rows[t, h].nonzero().flatten().tolist() == want_rows
             assert all(is_sealed(c, t, cfg, origin) for c in want_rows)
 
 
 @settings(max_examples=15, deadline=None)
-@given(cfg=configs(), seq_len=st.sampled_from([1, 2, 17, 63, 100]), group=st.sampled_from([1, 2, 4]), origins=ORIGINS)
-def test_equals_the_per_query_reference(cfg, seq_len, group, origins):
+@given(cfg=configs(), seq_len=st.sampled_from([1, 2, 17, 63, 100]), group=st.sampled_from([1, 2, 4]), origins=ORIGINS,
+       lookback=st.sampled_from([0, 9]))
+def test_equals_the_per_query_reference(cfg, seq_len, group, origins, lookback):
     q, k, v = qkv(seq_len, 2 * group, 2)
     o = pick_origins(origins, cfg, 2)
     torch.testing.assert_close(
-        masked_chunked_attention(q, k, v, cfg, origins=o), reference_chunked_attention(q, k, v, cfg, origins=o),
+        masked_chunked_attention(q, k, v, cfg, origins=o, lookback=lookback),
+        reference_chunked_attention(q, k, v, cfg, origins=o, lookback=lookback),
         atol=1e-5, rtol=1e-5,
     )
 

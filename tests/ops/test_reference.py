@@ -4,6 +4,10 @@
   causal attention (torch SDPA, GQA) within 1e-5; with a logit cap and
   learned sinks, chunk 1 is causal attention with the cap and the sinks
   written out, and each of them changes the output.
+- With the model's own sliding window (``lookback``), chunk 1 is
+  sliding-window causal attention, a window past the sequence changes
+  nothing, and the visible set keeps raw positions within the window and
+  the chunks whose last token lies within it.
 - The output at position t depends only on tokens <= t.
 - The visible set follows the seal rule by hand (sinks, boundaries, origins).
 - Rows kept per chunk_size tokens match the docs/design.md §4 table.
@@ -60,6 +64,33 @@ def test_unit_chunks_with_cap_and_sinks_are_causal_attention(softcap, with_sinks
     got = reference_chunked_attention(q, k, v, cfg, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(got, capped_sink_attention(q, k, v, softcap, sinks), atol=1e-5, rtol=0)
     assert not torch.allclose(got, reference_chunked_attention(q, k, v, cfg), atol=1e-3)
+
+
+@pytest.mark.parametrize("lookback", [1, 5, 16])
+def test_unit_chunks_with_a_sliding_window_are_sliding_window_attention(lookback):
+    cfg = ChunkedKVConfig(chunk_size=1, window=4, sink_tokens=2)
+    q, k, v = qkv(40, 4, 2)
+    got = reference_chunked_attention(q, k, v, cfg, lookback=lookback)
+    torch.testing.assert_close(got, capped_sink_attention(q, k, v, 0.0, None, lookback), atol=1e-5, rtol=0)
+
+
+@FAST
+@given(cfg=configs(), seq_len=st.integers(1, 40), origins=ORIGINS)
+def test_a_window_past_the_sequence_changes_nothing(cfg, seq_len, origins):
+    q, k, v = qkv(seq_len, 4, 2)
+    o = pick_origins(origins, cfg, 2)
+    torch.testing.assert_close(reference_chunked_attention(q, k, v, cfg, origins=o, lookback=seq_len),
+                               reference_chunked_attention(q, k, v, cfg, origins=o), atol=0, rtol=0)
+
+
+def test_sliding_window_visible_set_by_hand():
+    cfg = ChunkedKVConfig(chunk_size=4, window=4, sink_tokens=2)
+    # t = 30: chunks 0..5 sealed ([0, 24)), raw from 24; window 10 reads positions 21..30.
+    raw, rows = visible_set(30, cfg, 0, lookback=10)
+    assert raw == list(range(24, 31))  # the sinks 0, 1 have left the window
+    assert rows == [5]  # chunk 5 = [20, 24): last token 23 > 20; chunk 4 ends at 19
+    assert visible_set(30, cfg, 0, lookback=11)[1] == [5]  # 19 is not > 30 - 11
+    assert visible_set(30, cfg, 0, lookback=12)[1] == [4, 5]
 
 
 @FAST

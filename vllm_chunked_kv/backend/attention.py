@@ -73,6 +73,13 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """A model's sliding-window layers, compressed, when `sliding_window_layers`
+        is 'compress' (otherwise they are routed to vLLM's default backend)."""
+        cfg = settings.active_config_or_none()
+        return cfg is not None and cfg.sliding_window_layers == "compress"
+
+    @classmethod
     def supports_sink(cls) -> bool:
         """Learned attention sinks (GPT-OSS): every kernel has them."""
         return True
@@ -258,15 +265,20 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
+        vllm_config = get_current_vllm_config()
+        self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
+        compress_windows = self.config.sliding_window_layers == "compress"
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            "a sliding-window layer": sliding_window is not None,  # routed to vLLM's default backend
+            # routed to vLLM's default backend unless sliding_window_layers is 'compress'
+            "a sliding-window layer": sliding_window is not None and not compress_windows,
             "KV sharing across layers": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
         bad = [name for name, present in unsupported.items() if present]
         if bad:
             raise NotImplementedError(f"{BACKEND_NAME} does not support " + ", ".join(bad))
+        self.lookback = int(sliding_window or 0)  # the layer's own sliding window, compressed (0: none)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -275,8 +287,6 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self.kv_sharing_target_layer_name = None
         self.logits_soft_cap = float(logits_soft_cap or 0.0)  # the model's logit cap (Gemma 2); 0: none
         self.sinks = sinks  # [Hq] the model's learned sink logits (GPT-OSS), filled when weights load; or None
-        vllm_config = get_current_vllm_config()
-        self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
         settings.remember(self.config)
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._static_forward_context = vllm_config.compilation_config.static_forward_context
@@ -341,7 +351,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
             out = None
         result = ops.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale, out=out,
-                            softcap=self.logits_soft_cap, sinks=self.sinks)
+                            softcap=self.logits_soft_cap, sinks=self.sinks, lookback=self.lookback)
         if result is not out:
             output[:n].view_as(result).copy_(result)
         return output

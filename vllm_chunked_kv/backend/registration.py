@@ -13,7 +13,8 @@ Five things, all idempotent:
 4. route an explicit CHUNKED_KV selection per layer: a layer with the
    model's own sliding window gets the platform's default backend (it keeps
    exactly its window, in vLLM's sliding-window pages: docs/design.md,
-   "Hybrid models"), every other layer our class. On the CPU platform, whose
+   "Hybrid models") unless `sliding_window_layers` is 'compress', every other
+   layer our class. On the CPU platform, whose
    `get_attn_backend_cls` ignores every selection but CPU_ATTN, our class
    is returned here; elsewhere the platform's own choice validates it. The
    default selection (nothing asked) is left alone;
@@ -61,10 +62,12 @@ def _route_selection() -> None:
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
             if selected_backend is None or getattr(selected_backend, "name", None) != BACKEND_NAME:
                 return original(cls, selected_backend, attn_selector_config, num_heads)
-            if attn_selector_config.has_sliding_window:  # the model's own window: vLLM's default backend
-                path = original(cls, None, attn_selector_config, num_heads)
-                _log_sliding_layers_once(path)
-                return path
+            if attn_selector_config.has_sliding_window:
+                if _sliding_layers() == "window":
+                    path = original(cls, None, attn_selector_config, num_heads)  # the model's own window, uncompressed
+                    _log_sliding_layers_once(path)
+                    return path
+                _log_sliding_layers_once(None)
             from vllm_chunked_kv.backend.attention import ChunkedKVBackend
 
             reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
@@ -77,10 +80,25 @@ def _route_selection() -> None:
     compat.patch_classmethod(type(current_platform), "get_attn_backend_cls", make)
 
 
-def _log_sliding_layers_once(path: str) -> None:
+def _sliding_layers() -> str:
+    """The `sliding_window_layers` setting of the engine being built."""
+    from vllm_chunked_kv.backend import settings
+
+    cfg = settings.active_config_or_none()
+    return "window" if cfg is None else cfg.sliding_window_layers
+
+
+def _log_sliding_layers_once(path: str | None) -> None:
+    """One line on where the model's sliding-window layers run (`path`: the
+    default backend's class; None: compressed, `sliding_window_layers`)."""
     from vllm.logger import init_logger
 
-    init_logger("vllm.chunked_kv.layers").info_once(
+    logger = init_logger("vllm.chunked_kv.layers")
+    if path is None:
+        logger.info_once("chunked_kv: the model's sliding-window layers are compressed too, each reading only "
+                         "within its own window (sliding_window_layers 'compress')")
+        return
+    logger.info_once(
         "chunked_kv: the model's sliding-window layers keep their window uncompressed on %s; its global layers "
         "are compressed", path.rsplit(".", 1)[-1])
 

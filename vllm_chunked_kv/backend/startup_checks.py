@@ -18,10 +18,11 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
     if model_config is not None and getattr(model_config, "hf_text_config", None) is not None:
         text = model_config.hf_text_config
         window = getattr(getattr(vllm_config, "cache_config", None), "sliding_window", None)
-        if window:  # vLLM sets it only when every layer slides (no layer types, or all "sliding_attention")
+        if window and cfg.sliding_window_layers == "window":  # vLLM sets it only when every layer slides
             raise ChunkedKVConfigError(
-                None, f"every layer of the model keeps its own sliding window ({window} tokens): no global "
-                "layer is left to compress (sliding-window layers run vLLM's default backend)"
+                "sliding_window_layers", f"every layer of the model keeps its own sliding window ({window} tokens): "
+                "with 'window' (sliding-window layers on vLLM's default backend) no layer is left to compress; "
+                "set it to 'compress'"
             )
         num_layers = getattr(text, "num_hidden_layers", None)
         if isinstance(num_layers, int):  # per-layer lists (stagger, slot_gains) must fit the model

@@ -100,6 +100,15 @@ class _ChunkedKVFields(BaseModel):
     """Unit of dynamic boundaries (chunks are whole units): divides chunk_size,
     below it; required with 'dynamic' (e.g. chunk_size / 2), else not allowed."""
 
+    sliding_window_layers: Literal["window", "compress"] = "window"
+    """Layers with the model's own sliding window (Gemma's local layers, every
+    layer of a Mistral-style model; docs/design.md §13): 'window' (they keep
+    exactly their window on vLLM's default backend, uncompressed) or
+    'compress' (they are compressed like the others, each query reading the
+    raw rows and the chunks whose last token lie within the layer's window;
+    vLLM frees their pages behind it). A model whose every layer slides
+    needs 'compress'. Fixed boundaries only."""
+
     prefix_spare_pages: bool = True
     """With vLLM's prefix caching on, a step keeps every raw row it computes
     as prefix-cache pages while at least half of the KV pool stays free (not
@@ -343,6 +352,8 @@ def _check_cross_fields(cfg: ChunkedKVConfig) -> None:
     problem = boundaries.settings_problem(cfg)
     if problem:
         raise fail(*problem)
+    if cfg.sliding_window_layers == "compress" and cfg.boundaries == "dynamic":
+        raise fail("sliding_window_layers", "'compress' needs fixed boundaries (boundaries is 'dynamic')")
     if cfg.stagger in ("heads", "layers"):
         if hop % cfg.stagger_groups:
             raise fail("stagger_groups", f"must divide hop {hop} for stagger {cfg.stagger!r} (got {cfg.stagger_groups})")

@@ -134,3 +134,40 @@ def visible_slots(cfg, t, origin=0):
     """Compressed slots ``[0, n)`` that may be visible to a query at ``t``:
     the groups of its sealed chunks."""
     return slots_per_group(cfg) * (num_sealed(cfg, t, origin) + first_group(cfg, origin))
+
+
+# ---------------------------------------------------------------- a model's sliding window
+
+
+def in_lookback(t, j, lookback: int):
+    """Whether position ``j`` is read by a query at ``t`` in a layer with the
+    model's own sliding window of ``lookback`` tokens (``t - j < lookback``;
+    0: no window, every ``j``)."""
+    return t - j < lookback if lookback else t - j == t - j
+
+
+def chunk_in_lookback(cfg, k, t, lookback: int, origin=0):
+    """Whether chunk ``k``'s rows are read by a query at ``t`` in such a layer:
+    while the chunk's last token lies within the window. vLLM frees a
+    sliding-window page once every token it covers has left the window, and
+    a chunk's rows live in the page of its last token (`first_group`), so a
+    row is never read after its page is freed."""
+    return in_lookback(t, chunk_last(cfg, k, origin), lookback)
+
+
+def slot_position(cfg, slot, origin=0):
+    """The position by which compressed slot ``slot`` leaves a model sliding
+    window: its own token for a kept first token (`SlotKind.FIRST`), else
+    the last token of its chunk."""
+    k = slot_chunk(cfg, slot, origin)
+    return chunk_last(cfg, k, origin) - (slot_kind(cfg, slot) == SlotKind.FIRST) * (cfg.chunk_size - 1)
+
+
+def first_lookback_slot(cfg, t: int, lookback: int, origin: int = 0) -> int:
+    """First compressed slot a query at ``t`` may read in such a layer (0
+    without a window): the group of the first chunk whose last token lies
+    within the window. Python ints."""
+    if not lookback:
+        return 0
+    k = max(0, (t - lookback - origin - cfg.chunk_size + 1) // cfg.hop + 1)  # chunk_last(k) > t - lookback
+    return slots_per_group(cfg) * (k + first_group(cfg, origin))

@@ -61,9 +61,10 @@ def chunked_attention_forward(
     (``s_aux`` [H], GPT-OSS) as `reference.softmax_weights` applies them."""
     softcap = kwargs.get("softcap") or 0.0
     sinks = kwargs.get("s_aux")  # [H] or None
-    if kwargs.get("sliding_window"):  # the model's own window: kept exactly, as the backend serves it
-        return window_attention(query, key, value, scaling, kwargs["sliding_window"], softcap, sinks), None
     cfg: ChunkedKVConfig = getattr(module, _CONFIG_ATTR).for_layer(module.layer_idx)  # its own gains, if per layer
+    lookback = kwargs.get("sliding_window") or 0  # the model's own window
+    if lookback and cfg.sliding_window_layers == "window":  # kept exactly, as the backend serves it
+        return window_attention(query, key, value, scaling, lookback, softcap, sinks), None
     batch, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -80,7 +81,7 @@ def chunked_attention_forward(
     if gains is not None and gains.dim() == 2:  # [num_layers, chunk_size]: one set of logits per layer
         gains = gains[module.layer_idx]
     weights = None if gains is None else gains.softmax(-1)  # [chunk_size]
-    ext = extended_kv(folded_k, folded_v, cfg, origins, weights=weights)
+    ext = extended_kv(folded_k, folded_v, cfg, origins, weights=weights, lookback=lookback)
     ext_len = ext.keys.shape[0]  # T + N
     keys = ext.keys.view(ext_len, batch, num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [b, Hkv, T+N, D]
     values = ext.values.view(ext_len, batch, num_kv_heads, -1).permute(1, 2, 0, 3)  # [b, Hkv, T+N, Dv]

@@ -1,6 +1,6 @@
 """Tiny random-weight decoder models, built locally for tests (no model hub).
 
-Five architectures are built, each small enough to load in a second:
+Six architectures are built, each small enough to load in a second:
 
 - `tiny-llama`: LlamaForCausalLM, 2 layers, 4 query heads, 2 KV heads (GQA 2).
 - `tiny-qwen`:  Qwen2ForCausalLM, 2 layers, 8 query heads, 2 KV heads (GQA 4),
@@ -10,6 +10,8 @@ Five architectures are built, each small enough to load in a second:
   at 2 (low enough to bite).
 - `tiny-gemma3`: Gemma3ForCausalLM, two sliding-window layers (window 16)
   then a global one, 4 query heads of 32, 2 KV heads.
+- `tiny-mistral`: MistralForCausalLM, 2 layers, each with a sliding window
+  of 16, 4 query heads of 32, 2 KV heads.
 - `tiny-gptoss`: GptOssForCausalLM, a sliding-window layer (window 16) then
   a global one, 4 experts (2 per token), 4 query heads of 32, 2 KV heads,
   learned attention sinks drawn large enough to matter.
@@ -57,6 +59,10 @@ ARCHS: dict[str, dict] = {
         num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, hidden_size=128, intermediate_size=256,
         num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=16, embed_scale=128 ** -0.5,
+    ),
+    "tiny-mistral": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, hidden_size=128, intermediate_size=256, sliding_window=16,
     ),
     "tiny-gptoss": dict(  # vLLM gives even layers the window, whatever layer_types says: these agree
         architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_attention_heads=4, num_key_value_heads=2,
@@ -146,6 +152,10 @@ def build_tiny_gemma2(path: str | Path) -> Path:
 
 def build_tiny_gemma3(path: str | Path) -> Path:
     return build_model("tiny-gemma3", path, seed=4)
+
+
+def build_tiny_mistral(path: str | Path) -> Path:
+    return build_model("tiny-mistral", path, seed=5)
 
 
 def build_tiny_gptoss(path: str | Path) -> Path:

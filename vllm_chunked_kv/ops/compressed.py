@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import reference
+from vllm_chunked_kv.ops.decode_plan import device_key
 from vllm_chunked_kv.ops.rows import gather_rows
-from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, StepPlan, derived
+from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPlan, derived
 
 
 def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -62,10 +63,7 @@ def fixed_gains(cfg: ChunkedKVConfig, device) -> torch.Tensor:
     keys). Made once per device and gains: on a GPU a fresh tensor is a
     copy from the host, which a captured decode step cannot make."""
     gains = (0.0,) * cfg.chunk_size if cfg.pooling == "key_norm" else tuple(cfg.normalised_gains())
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _gains(gains, str(device))
+    return _gains(gains, device_key(device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,13 +100,15 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, softcap: float = 0.0,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, lookback: int = 0) -> torch.Tensor:
     """Attention of every query token of the step: query ``[n, Hq, D]``,
     step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V) -> ``[n, Hq, Dv]`` in the
     query dtype (fp32 math), written into ``out`` when given. The plan must
     carry its bias (`build_plan(..., bias=True)`). ``softcap`` (0: none) and
     ``sinks`` ``[Hq]`` (None: none) are the model's logit cap and learned
-    sink logits (`reference.softmax_weights`).
+    sink logits (`reference.softmax_weights`); ``lookback`` (0: none) the
+    layer's own sliding window (`reference.visible_set`), applied here on
+    top of the plan's bias, which the step's layers share.
 
     Each key set's rows are gathered per KV head (``[b, Hkv, N, Dk + Dv]``,
     three parts: stored raw rows, the step's own rows, compressed slots) and
@@ -130,24 +130,41 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         raw = raw.masked_fill(padding[:, None, :, None], 0)  # padding rows may hold dropped rows: masked anyway
         own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
         slots = _gather(comp_cache, *keys.slot_tables())  # [b, Hkv, Nc, Dk + Dv]
+        bias = keys.bias if not lookback else keys.bias + lookback_bias(plan.cfg, keys, raw.shape[2], lookback)
         q = query[keys.query_index].float()  # [b, L, Hq, D]
         q = q.view(b, num_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [b, Hkv, G, L, D]
         parts = [part.float() for part in (raw, own, slots)]
         head_sinks = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1)
         if num_q == 1:
-            o = _attend_parts(q, parts, keys.bias, scale, head_size, softcap, head_sinks)  # [b, Hkv, G, 1, Dv]
+            o = _attend_parts(q, parts, bias, scale, head_size, softcap, head_sinks)  # [b, Hkv, G, 1, Dv]
         elif softcap > 0 or sinks is not None:  # one request, its queries a slice at a time
-            o = torch.cat([_attend_parts(q[:, :, :, lo:lo + QUERY_SLICE], parts, keys.bias[:, :, lo:lo + QUERY_SLICE],
+            o = torch.cat([_attend_parts(q[:, :, :, lo:lo + QUERY_SLICE], parts, bias[:, :, lo:lo + QUERY_SLICE],
                                          scale, head_size, softcap, head_sinks)
                            for lo in range(0, num_q, QUERY_SLICE)], dim=3)  # [1, Hkv, G, L, Dv]
         else:  # one request: a fused kernel over the concatenated rows
             kv = torch.cat(parts, dim=2)[0]  # [Hkv, N, Dk + Dv]
             o = F.scaled_dot_product_attention(
-                q[0], kv[:, None, :, :head_size], kv[:, None, :, head_size:], attn_mask=keys.bias[0][:, None],
+                q[0], kv[:, None, :, :head_size], kv[:, None, :, head_size:], attn_mask=bias[0][:, None],
                 scale=scale, enable_gqa=True)[None]  # [1, Hkv, G, L, Dv]
         o = o.permute(0, 3, 1, 2, 4)  # [b, L, Hkv, G, Dv]
         out[keys.query_index] = o.reshape(b, num_q, num_heads, -1).to(out.dtype)  # [b, L, Hq, Dv]
     return out
+
+
+def lookback_bias(cfg: ChunkedKVConfig, keys: KeySet, num_raw: int, lookback: int) -> torch.Tensor:
+    """``-inf`` where a layer's own sliding window hides a row the plan's bias
+    shows, else 0, ``[b, Hkv, L, Nr + L + Nc]`` like the bias: stored raw
+    rows and the step's rows by position, compressed slots by
+    `grid.slot_position` (column ``n`` of a bias plan is slot ``n``)."""
+    t = keys.query_positions[:, None, :, None]  # [b, 1, L, 1]
+    j = torch.cat([keys.raw_positions[:, :num_raw], keys.query_positions], dim=1)[:, None, None, :]  # [b, 1, 1, Nr + L]
+    o = keys.origins[:, :, None, None]  # [b, Hkv, 1, 1]
+    num_slots = keys.bias.shape[-1] - j.shape[-1]
+    s = torch.arange(num_slots, device=t.device)[None, None, None, :]  # [1, 1, 1, Nc]
+    raw = grid.in_lookback(t, j, lookback).expand(-1, o.shape[1], -1, -1)  # [b, Hkv, L, Nr + L]
+    slots = grid.in_lookback(t, grid.slot_position(cfg, s, o), lookback)  # [b, Hkv, L, Nc]
+    hidden = torch.cat([raw, slots.expand(-1, -1, t.shape[2], -1)], dim=-1).logical_not()
+    return torch.zeros(hidden.shape, dtype=torch.float32, device=t.device).masked_fill(hidden, float("-inf"))
 
 
 QUERY_SLICE = 256  # queries of a multi-token request whose logits are held at once (cap or sinks)

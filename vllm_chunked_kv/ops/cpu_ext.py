@@ -164,11 +164,13 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+           lookback: int = 0) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
-    ``out`` when given, with the model's logit cap and sink logits ``[Hq]``
-    as there. ``num_splits``: work items per (tile, KV head), each over a
+    ``out`` when given, with the model's logit cap, sink logits ``[Hq]`` and
+    the layer's own sliding window as there (slots behind the window are not
+    read: vLLM may have freed their pages). ``num_splits``: work items per (tile, KV head), each over a
     contiguous share of the keys (None: enough to occupy torch's threads).
     ``block_m``: queries per tile of a multi-token request (None: 128 query
     rows)."""
@@ -192,7 +194,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     sink_logits = NO_SINKS if sinks is None else sinks.to(torch.float32).contiguous()  # [Hq]
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      *args, *shared, tile, splits, float(softcap), sink_logits)
+                      *args, *shared, tile, splits, float(softcap), sink_logits, int(lookback))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -175,11 +175,12 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+           lookback: int = 0) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
-    ``out`` when given, with the model's logit cap and sink logits ``[Hq]``
-    as there. ``num_splits``: blocks per tile and KV head (None:
+    ``out`` when given, with the model's logit cap, sink logits ``[Hq]``
+    and the layer's own sliding window as there (slots behind it are not read). ``num_splits``: blocks per tile and KV head (None:
     enough to fill the device). ``block_m``: queries per tile of a
     multi-token request (None: up to 32 query rows, as shared memory allows)."""
     module = _module()
@@ -205,7 +206,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     sink_logits = query.new_empty(0) if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
     for (_, tile), args in zip(tiles, key_args):
         module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *shared,
-                      tile, splits, float(softcap), sink_logits.contiguous())
+                      tile, splits, float(softcap), sink_logits.contiguous(), int(lookback))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

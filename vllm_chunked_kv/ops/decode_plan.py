@@ -241,16 +241,16 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``torch.arange(n)`` in int64, one shared tensor per ``n`` and device:
     a fresh one costs several microseconds on CPU, a tenth of a batch-1
     plan's time (benchmarks/README.md). Plans only read their tensors."""
-    return _shared(n, None, _device_key(device))
+    return _shared(n, None, device_key(device))
 
 
 def _constant(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor, made once per device: on a GPU a fresh
     one is a copy from the host every step, which a CUDA graph cannot capture."""
-    return _shared(None, values, _device_key(device))
+    return _shared(None, values, device_key(device))
 
 
-def _device_key(device: torch.device) -> str:
+def device_key(device: torch.device) -> str:
     """The device with its index (``cuda`` and ``cuda:0`` name one device)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

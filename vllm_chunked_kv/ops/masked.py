@@ -38,12 +38,14 @@ def num_chunks(seq_len: int, cfg: ChunkedKVConfig, origins: torch.Tensor) -> int
 
 
 def visibility(
-    seq_len: int, cfg: ChunkedKVConfig, origins: torch.Tensor, positions: torch.Tensor | None = None
+    seq_len: int, cfg: ChunkedKVConfig, origins: torch.Tensor, positions: torch.Tensor | None = None,
+    lookback: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible rows of every query on every KV head, as boolean masks
     ``raw [L, num_kv_heads, T]`` (query, head, key position) and
     ``rows [L, num_kv_heads, N]`` (query, head, chunk index), N = num_chunks.
-    The queries are at ``positions`` ``[L]`` (default: all T positions)."""
+    The queries are at ``positions`` ``[L]`` (default: all T positions);
+    ``lookback``: the layer's own sliding window (0: none)."""
     device = origins.device
     if positions is None:
         positions = torch.arange(seq_len, device=device)
@@ -54,10 +56,11 @@ def visibility(
     raw = (j < cfg.sink_tokens) | (j < o) | (j >= grid.raw_from(cfg, t, o))  # [L, Hkv, T]
     if cfg.keep_boundary:
         raw = raw | grid.is_boundary(cfg, j, sealed, o)
-    raw = raw & (j <= t)
+    raw = raw & (j <= t) & grid.in_lookback(t, j, lookback)
     n = num_chunks(seq_len, cfg, origins)
     k = torch.arange(n, device=device).view(1, 1, -1)  # [1, 1, N] chunk index
     rows = (k < sealed) & (grid.chunk_last(cfg, k, o) >= cfg.sink_tokens)  # [L, Hkv, N]
+    rows = rows & grid.chunk_in_lookback(cfg, k, t, lookback, o)
     return raw, rows
 
 
@@ -77,13 +80,15 @@ def extended_kv(
     origins: Sequence[int] | torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    lookback: int = 0,
 ) -> ExtendedKV:
     """Build the extended key set of one sequence: k, v ``[T, num_kv_heads,
     head_dim]`` (keys after RoPE). Row ``T + c`` of head ``h`` is chunk ``c``
     of that head's grid (a padding row, always masked, if it does not fit).
     The bias covers queries at ``positions`` ``[L]`` (default: all T).
     ``weights`` ``[chunk_size]``: slot weights replacing ``cfg``'s pooling
-    (`reference.pool_chunk`; learned gains, fixed chunks only)."""
+    (`reference.pool_chunk`; learned gains, fixed chunks only). ``lookback``:
+    the layer's own sliding window (0: none; `visibility`)."""
     seq_len, num_kv_heads, head_dim = k.shape
     dynamic, cfg_in = cfg.boundaries == "dynamic", cfg
     if weights is not None and dynamic:
@@ -106,7 +111,7 @@ def extended_kv(
         row_k = k.new_zeros((n, num_kv_heads, head_dim), dtype=torch.float32)
         row_v = v.new_zeros((n, num_kv_heads, v.shape[-1]), dtype=torch.float32)
         log_weight = k.new_zeros((n, num_kv_heads), dtype=torch.float32)
-    raw, rows = visibility(seq_len, cfg, o, positions)  # [L, Hkv, T], [L, Hkv, N]
+    raw, rows = visibility(seq_len, cfg, o, positions, lookback)  # [L, Hkv, T], [L, Hkv, N]
     raw_bias = torch.zeros(raw.shape, dtype=torch.float32, device=k.device).masked_fill(~raw, float("-inf"))
     row_bias = log_weight.T.unsqueeze(0).expand(rows.shape)  # [N, Hkv] -> [1, Hkv, N] -> [L, Hkv, N]
     row_bias = row_bias.masked_fill(~rows, float("-inf"))
@@ -127,9 +132,10 @@ def masked_chunked_attention(
     origins: Sequence[int] | torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    lookback: int = 0,
 ) -> torch.Tensor:
     """`reference.reference_chunked_attention`, vectorised: one masked softmax
-    (with the same logit cap and sink logits ``[num_heads]``).
+    (with the same logit cap, sink logits ``[num_heads]`` and sliding window).
 
     q ``[T, num_heads, head_dim]``; k, v ``[T, num_kv_heads, head_dim]`` with
     keys after RoPE; num_heads a multiple of num_kv_heads (query head ``i``
@@ -139,7 +145,7 @@ def masked_chunked_attention(
     """
     check_shapes(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return attend_extended(q, extended_kv(k, v, cfg, origins), scale, softcap=softcap, sinks=sinks)
+    return attend_extended(q, extended_kv(k, v, cfg, origins, lookback=lookback), scale, softcap=softcap, sinks=sinks)
 
 
 def attend_extended(q: torch.Tensor, ext: ExtendedKV, scale: float, *, softcap: float = 0.0,

@@ -15,6 +15,9 @@ KV head:
 - one compressed row per sealed chunk, pooled over its (interior)
   positions, sinks included, with logit bias ``log(n)`` when proportional;
   a chunk lying wholly inside the sinks gets no row;
+- in a layer with the model's own sliding window of ``W`` tokens, only the
+  raw positions ``j > t - W`` and the rows of chunks whose last token is
+  ``> t - W`` (``lookback``; docs/design.md §13);
 - one softmax over raw positions and compressed rows (`softmax_weights`):
   the scaled logits soft-capped first when the model caps them
   (``softcap * tanh(x / softcap)``, Gemma 2), then the pooled rows' bias
@@ -52,9 +55,12 @@ def is_sealed(k: int, t: int, cfg: ChunkedKVConfig, origin: int = 0) -> bool:
     return 0 <= k < grid.num_sealed(cfg, t, origin)
 
 
-def visible_set(t: int, cfg: ChunkedKVConfig, origin: int = 0) -> tuple[list[int], list[int]]:
+def visible_set(t: int, cfg: ChunkedKVConfig, origin: int = 0, lookback: int = 0) -> tuple[list[int], list[int]]:
     """What a query at ``t`` attends to on one KV head: (raw positions, sorted;
-    indices of the sealed chunks that have a compressed row)."""
+    indices of the sealed chunks that have a compressed row). In a layer with
+    the model's own sliding window (``lookback`` tokens; 0: none), only raw
+    positions within it and chunks whose last token lies within it
+    (`grid.chunk_in_lookback`)."""
     sealed = grid.num_sealed(cfg, t, origin)
     kept_raw = set(range(min(grid.forever_raw(cfg, [origin]), t + 1)))  # sinks, positions before the origin
     raw = kept_raw | set(range(grid.raw_from(cfg, t, origin), t + 1))
@@ -63,9 +69,9 @@ def visible_set(t: int, cfg: ChunkedKVConfig, origin: int = 0) -> tuple[list[int
         start, end = chunk_bounds(k, cfg, origin)
         if cfg.keep_boundary:
             raw |= {start, end - 1}
-        if end > cfg.sink_tokens:
+        if end > cfg.sink_tokens and grid.chunk_in_lookback(cfg, k, t, lookback, origin):
             rows.append(k)
-    return sorted(raw), rows
+    return sorted(j for j in raw if grid.in_lookback(t, j, lookback)), rows
 
 
 # ----------------------------------------------------------------------- pooling
@@ -146,6 +152,7 @@ def reference_chunked_attention(
     origins: Sequence[int] | torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    lookback: int = 0,
 ) -> torch.Tensor:
     """Causal chunked attention over one sequence, one query and head at a time.
 
@@ -153,8 +160,9 @@ def reference_chunked_attention(
     keys after RoPE; query head ``i`` reads KV head ``i // (num_heads /
     num_kv_heads)``; origins: one grid origin per KV head in ``[0, hop)``
     (None: all 0); softcap: the model's logit cap (0: none); sinks
-    ``[num_heads]``: its learned sink logits (None: none). Returns ``[T,
-    num_heads, Dv]`` in q's dtype, computed in fp32.
+    ``[num_heads]``: its learned sink logits (None: none); lookback: the
+    layer's own sliding window in tokens (0: none, `visible_set`). Returns
+    ``[T, num_heads, Dv]`` in q's dtype, computed in fp32.
     """
     check_shapes(q, k, v)
     seq_len, num_heads, head_dim = q.shape
@@ -175,7 +183,7 @@ def reference_chunked_attention(
     pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (head, chunk) -> row
     for t in range(seq_len):
         for h, origin in enumerate(origins):
-            raw, chunks = visible_set(t, cfg, origin)
+            raw, chunks = visible_set(t, cfg, origin, lookback)
             for c in chunks:
                 if (h, c) in pooled:
                     continue

@@ -52,26 +52,31 @@ def _chunked_kv_seal(t, window, origin, CHUNK_SIZE: tl.constexpr, HOP: tl.conste
 
 
 @triton.jit
-def _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end):
+def _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end, lookback):
     """Raw rows at positions ``j [N]`` seen by queries at ``t [ROWS]``: the
-    forever-raw prefix and the raw region, causally -> ``[ROWS, N]``."""
+    forever-raw prefix and the raw region, causally, within the layer's own
+    sliding window of ``lookback`` tokens (0: none) -> ``[ROWS, N]``."""
     raw = (j[None, :] < prefix_end) | (j[None, :] >= raw_from[:, None])
-    return ok[None, :] & raw & (j[None, :] <= t[:, None])
+    in_window = (lookback == 0) | (t[:, None] - j[None, :] < lookback)
+    return ok[None, :] & raw & (j[None, :] <= t[:, None]) & in_window
 
 
 @triton.jit
-def _chunked_kv_slot_visible(n, ok, sealed, origin, first_group, sink_tokens,
+def _chunked_kv_slot_visible(n, ok, sealed, origin, first_group, sink_tokens, t, lookback,
                              CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr):
-    """Compressed slots ``n [N]`` seen by rows with ``sealed [ROWS]`` chunks
-    -> ``[ROWS, N]``, and whether each slot is a pooled row ``[N]``. A chunk
-    wholly inside the sinks has no pooled row; a boundary token that is a
-    sink is seen once, as a sink."""
+    """Compressed slots ``n [N]`` seen by rows at ``t [ROWS]`` with ``sealed
+    [ROWS]`` chunks -> ``[ROWS, N]``, and whether each slot is a pooled row
+    ``[N]``. A chunk wholly inside the sinks has no pooled row; a boundary
+    token that is a sink is seen once, as a sink; within a sliding window of
+    ``lookback`` tokens (0: none), a slot is seen while `grid.slot_position` is."""
     kind = n % SPG  # a grid.SlotKind
     k = n // SPG - first_group  # chunk index
     first = origin + k * HOP
     last = first + CHUNK_SIZE - 1
     exists = ok & (k >= 0) & tl.where(kind == SLOT_FIRST, first >= sink_tokens, last >= sink_tokens)
     visible = exists[None, :] & (n[None, :] < SPG * (sealed[:, None] + first_group))
+    leaves = tl.where(kind == SLOT_FIRST, first, last)
+    visible = visible & ((lookback == 0) | (t[:, None] - leaves[None, :] < lookback))
     return visible, kind == SLOT_POOLED
 
 
@@ -117,8 +122,8 @@ def _chunked_kv_online_update(m_i, l_i, acc, q, ptr, row_off, ok, visible, bias,
 
 
 @triton.jit
-def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t, raw_from, prefix_end, split, head64,
-                         stride_st, stride_sh, softcap, HEAD_D: tl.constexpr, D_P2: tl.constexpr,
+def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t, raw_from, prefix_end, lookback,
+                         split, head64, stride_st, stride_sh, softcap, HEAD_D: tl.constexpr, D_P2: tl.constexpr,
                          HEAD_DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the step's own rows ``lo .. hi - 1`` of a key-set row (own row
@@ -129,7 +134,7 @@ def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t,
         ok = idx < hi
         own = tl.load(q_index_row + idx, mask=ok, other=0).to(tl.int64)
         row_off = own * stride_st + head64 * stride_sh
-        visible = _chunked_kv_raw_visible(p0 + idx, ok, t, raw_from, prefix_end)
+        visible = _chunked_kv_raw_visible(p0 + idx, ok, t, raw_from, prefix_end, lookback)
         m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, step_ptr, row_off, ok, visible, 0.0, softcap,
                                                   HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
     return m_i, l_i, acc
@@ -143,7 +148,7 @@ def _chunked_kv_attention_kernel(
     comp_blocks_ptr, comp_offsets_ptr,  # [b, Nc] contiguous
     num_raw_ptr, num_slots_ptr, origins_ptr,  # [b], [b], [b, Hkv]
     sinks_ptr,  # [Hq] fp32 learned sink logits (read when HAS_SINKS)
-    scale, log_weight, softcap, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
+    scale, log_weight, softcap, lookback, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
     stride_qt, stride_qh, stride_st, stride_sh, stride_rb, stride_rh, stride_rs,
     stride_cb, stride_ch, stride_cs, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -199,7 +204,7 @@ def _chunked_kv_attention_kernel(
         block = tl.load(raw_blocks_ptr + raw_row + idx, mask=ok, other=0).to(tl.int64)
         offset = tl.load(raw_offsets_ptr + raw_row + idx, mask=ok, other=0).to(tl.int64)
         row_off = block * stride_rb + head64 * stride_rh + offset * stride_rs
-        visible = _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end)
+        visible = _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end, lookback)
         m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, raw_ptr, row_off, ok, visible, 0.0, softcap,
                                                   HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
 
@@ -209,19 +214,24 @@ def _chunked_kv_attention_kernel(
     pre_hi = tl.minimum(tl.maximum(tl.minimum(prefix_end, raw_lo) - p0, 0), tail_hi)
     tail_lo = tl.maximum(raw_lo - p0, 0)
     m_i, l_i, acc = _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_ptr + q_row, 0, pre_hi, p0, t,
-                                         raw_from, prefix_end, split, head64, stride_st, stride_sh, softcap,
+                                         raw_from, prefix_end, lookback, split, head64, stride_st, stride_sh, softcap,
                                          HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP)
     m_i, l_i, acc = _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_ptr + q_row, tail_lo, tail_hi, p0, t,
-                                         raw_from, prefix_end, split, head64, stride_st, stride_sh, softcap,
+                                         raw_from, prefix_end, lookback, split, head64, stride_st, stride_sh, softcap,
                                          HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP)
 
-    # 3. compressed slots up to the last group sealed for the tile
+    # 3. compressed slots up to the last group sealed for the tile, from the first chunk whose last token
+    # the first query still sees through a sliding window (grid.first_lookback_slot; vLLM frees the pages
+    # behind it)
     comp_row = row.to(tl.int64) * max_slots
     limit = tl.minimum(tl.load(num_slots_ptr + row), SPG * (sealed_hi + first_group))
-    for i in range(split, tl.cdiv(limit, BLOCK_N), NUM_SPLITS):
-        s = i * BLOCK_N + n
+    behind = t_lo - lookback - origin - CHUNK_SIZE + 1
+    slot_lo = tl.where((lookback > 0) & (behind >= 0), SPG * (tl.maximum(behind, 0) // HOP + 1 + first_group), 0)
+    slot_lo = tl.where(lookback > 0, tl.maximum(slot_lo, SPG * first_group), 0)
+    for i in range(split, tl.cdiv(tl.maximum(limit - slot_lo, 0), BLOCK_N), NUM_SPLITS):
+        s = slot_lo + i * BLOCK_N + n
         ok = s < limit
-        visible, pooled = _chunked_kv_slot_visible(s, ok, sealed, origin, first_group, sink_tokens,
+        visible, pooled = _chunked_kv_slot_visible(s, ok, sealed, origin, first_group, sink_tokens, t, lookback,
                                                    CHUNK_SIZE, HOP, SPG)
         block = tl.load(comp_blocks_ptr + comp_row + s, mask=ok, other=0).to(tl.int64)
         offset = tl.load(comp_offsets_ptr + comp_row + s, mask=ok, other=0).to(tl.int64)
@@ -284,12 +294,14 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+           lookback: int = 0) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]``, caches ``[num_blocks, Hkv, rows, D + Dv]`` (rows
     contiguous) -> ``[n, Hq, Dv]`` in the query dtype (fp32 math), written
     into ``out`` when given (every element of the step's queries is
-    written), with the model's logit cap and sink logits ``[Hq]`` as there.
+    written), with the model's logit cap, sink logits ``[Hq]`` and the
+    layer's own sliding window as there (slots behind it are not read).
     ``num_splits``: programs per tile and head (None: enough to
     fill the device). ``block_m``: queries per tile of a multi-token request
     (None: 64 query rows per tile)."""
@@ -317,7 +329,8 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=device)
-    logits = (float(softcap), out if sinks is None else sinks.to(device=device, dtype=torch.float32).contiguous())
+    logits = (float(softcap), out if sinks is None else sinks.to(device=device, dtype=torch.float32).contiguous(),
+              int(lookback))
     for keys, tile_m in tiles:
         consts = launch_constants(plan, num_heads=num_heads, num_kv_heads=num_kv_heads, head_d=head_d,
                                   head_dv=head_dv, tile_m=tile_m, splits=splits, on_gpu=device.type != "cpu",
@@ -331,8 +344,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
 def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys: KeySet, plan: StepPlan,
             scale: float, logits: tuple, consts: dict) -> None:
     """One kernel launch over the queries of one key set; ``logits``: the
-    model's (softcap, sinks ``[Hq]`` fp32, any tensor when it has none)."""
-    softcap, sinks = logits
+    model's (softcap, sinks ``[Hq]`` fp32, any tensor when it has none,
+    the layer's sliding window or 0)."""
+    softcap, sinks, lookback = logits
     num_rows, num_q = keys.query_index.shape
     tiles_per_row = triton.cdiv(num_q, consts["BLOCK_M"])
     c = lambda t: t.contiguous()  # noqa: E731
@@ -344,7 +358,7 @@ def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, key
         c(keys.raw_blocks), c(keys.raw_offsets), c(keys.raw_positions),
         c(comp_blocks), c(comp_offsets),
         c(keys.num_raw), c(keys.num_slots), keys.origins.to(dtype=torch.int32).contiguous(), sinks,
-        float(scale), cfg.log_weight, softcap, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
+        float(scale), cfg.log_weight, softcap, lookback, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
         comp_blocks.shape[1], query.shape[0], tiles_per_row,
         query.stride(0), query.stride(1), step_rows.stride(0), step_rows.stride(1),
         raw_cache.stride(0), raw_cache.stride(1), raw_cache.stride(2),
