@@ -21,6 +21,7 @@
 #  5. tests: the GPU-marked CUDA kernel tests;
 #  6. head sizes 64 and 256 at 64 x 32k, while time remains.
 #
+# PYTHON names the interpreter (default: python3, else python).
 # GPU_CHECK_DEVICE, GPU_CHECK_IMPLS, GPU_CHECK_CASES, GPU_CHECK_WIDE_CASES and GPU_CHECK_SHAPE (extra
 # graph_check.py arguments) override the defaults: CI runs the script on CPU
 # with tiny shapes so that it cannot rot.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
@@ -22,6 +23,7 @@ def test_every_step_runs_and_records_even_after_a_failed_build(tmp_path):
            "GPU_CHECK_WIDE_CASES": "2x100",
            "GPU_CHECK_SHAPE": "--num-heads 4 --num-kv-heads 2 --head-size 32 --repeats 1"}
     env.pop("CHUNKED_KV_BUILD_CUDA", None)
+    env["PYTHON"] = sys.executable  # the suite's interpreter, whatever python3 is on PATH
     proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, env=env,
                           timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]

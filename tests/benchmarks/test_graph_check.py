@@ -62,7 +62,7 @@ def _per_call_gains(cfg, device):
 
 
 @pytest.mark.parametrize("module, name, replacement", [
-    ("vllm_chunked_kv.ops.decode_plan", "_constant", _per_call_constant),
+    ("vllm_chunked_kv.ops.constants", "ints", _per_call_constant),
     ("vllm_chunked_kv.ops.compressed", "fixed_gains", _per_call_gains),
 ])
 def test_sync_check_catches_a_tensor_from_host_data(graph_check, monkeypatch, module, name, replacement):

@@ -20,15 +20,12 @@ cache dtype.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import reference
-from vllm_chunked_kv.ops.decode_plan import device_key
+from vllm_chunked_kv.ops import constants, reference
 from vllm_chunked_kv.ops.rows import gather_rows
 from vllm_chunked_kv.ops.step_plan import NULL_PAGE, ChunkWrites, KeySet, StepPlan, derived
 
@@ -63,13 +60,7 @@ def fixed_gains(cfg: ChunkedKVConfig, device) -> torch.Tensor:
     keys). Made once per device and gains: on a GPU a fresh tensor is a
     copy from the host, which a captured decode step cannot make."""
     gains = (0.0,) * cfg.chunk_size if cfg.pooling == "key_norm" else tuple(cfg.normalised_gains())
-    return _gains(gains, device_key(device))
-
-
-@functools.lru_cache(maxsize=64)
-def _gains(gains: tuple[float, ...], device: str) -> torch.Tensor:
-    with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
-        return torch.tensor(gains, dtype=torch.float32, device=device)
+    return constants.floats(gains, device)
 
 
 def step_gains(writes: ChunkWrites, cfg: ChunkedKVConfig, device) -> torch.Tensor:

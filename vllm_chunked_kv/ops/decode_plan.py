@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields, replace
-from functools import lru_cache
-
 import torch
 
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import constants
 from vllm_chunked_kv.ops.step_plan import (NULL_PAGE, ChunkWrites, KeySet, PagedBatch, StepPlan, build_plan,
                                            visibility_bias)
 
@@ -72,7 +71,7 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     False keeps the tensor ops)."""
     if cfg.boundaries != "fixed":
         raise ValueError("boundaries 'dynamic' decode steps are planned in Python (step_plan.build_plan)")
-    head_o = _constant(tuple(origins), seq_lens.device)  # [Hkv]
+    head_o = constants.ints(tuple(origins), seq_lens.device)  # [Hkv]
     if grid_shifts is None:
         o = head_o[None, :].expand(seq_lens.shape[0], -1)  # [b, Hkv]
     else:
@@ -85,7 +84,7 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
                             raw_block_size)
     t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
-    return StepPlan(cfg=cfg, raw_writes=_arange(t.shape[0], seq_lens.device),
+    return StepPlan(cfg=cfg, raw_writes=constants.arange(t.shape[0], seq_lens.device),
                     writes=_chunk_writes(cfg, o, host_origins, t, *tables),
                     key_sets=[_key_set(cfg, o, host_origins, t, *tables, bias)])
 
@@ -98,22 +97,22 @@ def _chunk_writes(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: 
     rel = p - grid.chunk_last(cfg, 0, o)  # [b, Hkv] = k * hop when the token ends chunk k
     done = (rel >= 0) & (rel % cfg.hop == 0)  # [b, Hkv] a chunk completes
     k = torch.where(done, rel // cfg.hop, 0)  # [b, Hkv]
-    req = _arange(b, t.device)[:, None].expand(b, hkv)  # [b, Hkv]
-    positions = grid.chunk_start(cfg, k, o)[..., None] + _arange(cfg.chunk_size, t.device)  # [b, Hkv, cs]
+    req = constants.arange(b, t.device)[:, None].expand(b, hkv)  # [b, Hkv]
+    positions = grid.chunk_start(cfg, k, o)[..., None] + constants.arange(cfg.chunk_size, t.device)  # [b, Hkv, cs]
     positions = torch.where(done[..., None], positions, 0)
     src_blocks = raw_block_table[req[..., None], positions // raw_block_size]  # [b, Hkv, cs]
     src_step = torch.where(positions == p[..., None], req[..., None], -1)  # [b, Hkv, cs] own row, else stored
-    slots = ((k + grid.first_group(cfg, o)) * spg)[..., None] + _arange(spg, t.device)  # [b, Hkv, spg]
+    slots = ((k + grid.first_group(cfg, o)) * spg)[..., None] + constants.arange(spg, t.device)  # [b, Hkv, spg]
     last_page = block_table.shape[1] - 1  # empty entries may point past the table: gather in range
     dst_blocks = torch.where(done[..., None], block_table[req[..., None], (slots // per_block).clamp(max=last_page)],
                              NULL_PAGE)
     # Slots below a head's first group are zeroed when its chunk 0 completes.
     width = _zero_width(cfg, origins)  # from the host's origins
-    zs = _arange(width, t.device)  # [Z0]
+    zs = constants.arange(width, t.device)  # [Z0]
     zero = (done & (k == 0))[..., None] & (zs < grid.first_group(cfg, o)[..., None] * spg)  # [b, Hkv, Z0]
     zero_blocks = torch.where(zero, block_table[req[..., None], (zs // per_block).clamp(max=last_page)],
                               NULL_PAGE)  # [b, Hkv, Z0]
-    heads = _arange(hkv, t.device)
+    heads = constants.arange(hkv, t.device)
     return ChunkWrites(
         heads=heads.expand(b, hkv).reshape(-1),  # [M = b * Hkv]
         src_blocks=src_blocks.reshape(-1, cfg.chunk_size),  # [M, cs]
@@ -131,14 +130,14 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
              per_block: int, raw_block_table: torch.Tensor, raw_block_size: int, with_bias: bool) -> KeySet:
     long = dict(dtype=torch.long, device=t.device)
     b = t.shape[0]
-    req = _arange(b, t.device)[:, None]  # [b, 1]
+    req = constants.arange(b, t.device)[:, None]  # [b, 1]
     first = t.clamp(min=0)  # [b] the stored rows lie before the token
     keep = o.amax(dim=1).clamp(min=cfg.sink_tokens)  # [b] kept leading rows (`grid.forever_raw`)
     window_from = grid.raw_from(cfg, first[:, None], o).amin(dim=1)  # [b] over the heads' grids
     leading = torch.minimum(first, keep)  # [b]
     start = torch.minimum(torch.maximum(window_from, keep), first)  # [b] first stored row of the raw region
     num_raw = leading + (first - start)  # [b]
-    i = _arange(_raw_columns(cfg, origins), t.device)[None, :]  # [1, Nr] bounds num_raw
+    i = constants.arange(_raw_columns(cfg, origins), t.device)[None, :]  # [1, Nr] bounds num_raw
     raw_t = torch.where(i < leading[:, None], i, start[:, None] + i - leading[:, None])  # [b, Nr]
     raw_valid = i < num_raw[:, None]  # [b, Nr] valid rows first, padding after
     raw_t = torch.where(raw_valid, raw_t, 0)
@@ -231,36 +230,7 @@ def _native_plan(module, cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[in
     writes = ChunkWrites(heads=heads, src_blocks=src_blocks, src_offsets=src_offsets, src_step=src_step,
                          dst_blocks=dst_blocks, dst_offsets=dst_offsets, zero_heads=zero_heads,
                          zero_blocks=zero_blocks, zero_offsets=zero_offsets)
-    keys = KeySet(query_index=_arange(b, seq_lens.device)[:, None], query_positions=positions, raw_blocks=raw_blocks,
-                  raw_offsets=raw_offsets, raw_positions=raw_positions, num_raw=num_raw, comp_blocks=comp_blocks,
+    keys = KeySet(query_index=constants.arange(b, seq_lens.device)[:, None], query_positions=positions,
+                  raw_blocks=raw_blocks, raw_offsets=raw_offsets, raw_positions=raw_positions, num_raw=num_raw, comp_blocks=comp_blocks,
                   comp_offsets=None, num_slots=num_slots, origins=o, bias=None, comp_rows_per_page=per_block)
-    return StepPlan(cfg=cfg, raw_writes=_arange(b, seq_lens.device), writes=writes, key_sets=[keys])
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``torch.arange(n)`` in int64, one shared tensor per ``n`` and device:
-    a fresh one costs several microseconds on CPU, a tenth of a batch-1
-    plan's time (benchmarks/README.md). Plans only read their tensors."""
-    return _shared(n, None, device_key(device))
-
-
-def _constant(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor, made once per device: on a GPU a fresh
-    one is a copy from the host every step, which a CUDA graph cannot capture."""
-    return _shared(None, values, device_key(device))
-
-
-def device_key(device: torch.device) -> str:
-    """The device with its index (``cuda`` and ``cuda:0`` name one device)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
-@lru_cache(maxsize=128)
-def _shared(n: int | None, values: tuple[int, ...] | None, device: str) -> torch.Tensor:
-    with torch.inference_mode(False):  # an ordinary tensor, usable inside and outside inference mode
-        if values is None:
-            return torch.arange(n, dtype=torch.long, device=device)
-        return torch.tensor(values, dtype=torch.long, device=device)
+    return StepPlan(cfg=cfg, raw_writes=constants.arange(b, seq_lens.device), writes=writes, key_sets=[keys])

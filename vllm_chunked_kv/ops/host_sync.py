@@ -14,8 +14,8 @@ cannot see (a synchronising op inside an extension's Python wrapper is a
 call the mode sees; one inside a compiled kernel launch is not).
 
 Constants a step needs (an index range, the grid origins, pooling gains)
-are made once per device and reused (`decode_plan._shared`,
-`compressed.fixed_gains`): run one step before guarding the next.
+are made once per device and reused (`ops/constants.py`): run one step
+before guarding the next.
 """
 
 from __future__ import annotations
