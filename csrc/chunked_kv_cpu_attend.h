@@ -68,8 +68,6 @@ struct TileQueries {  // the queries of one tile
 // Whether the query at t reads position j through a sliding window of `lookback` tokens (0: none).
 static inline bool in_window(int64_t t, int64_t j, int64_t lookback) { return lookback == 0 || t - j < lookback; }
 
-static inline int64_t floor_div(int64_t x, int64_t d) { return x >= 0 ? x / d : -((-x + d - 1) / d); }
-
 // Rows past the end of a short block are seen by no query.
 static inline void hide_beyond(Block& b, int64_t queries) {
   for (int m = 0; m < queries; ++m)
@@ -196,10 +194,8 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   const int64_t limit = min64(a.num_slots[row], a.slots_per_group * (sealed_hi + tq.first_group));
   // With a sliding window, slots start at the first chunk whose last token the first query still sees
   // (grid.first_lookback_slot): vLLM may have freed the pages below it.
-  const int64_t slot_lo = a.lookback ? a.slots_per_group * (max64(0, floor_div(tq.t_lo - a.lookback - tq.origin -
-                                                                                  a.chunk_size + 1, a.hop) + 1) +
-                                                            tq.first_group)
-                                     : 0;
+  const int64_t behind = tq.t_lo - a.lookback - tq.origin - a.chunk_size + 1;
+  const int64_t slot_lo = a.lookback ? a.slots_per_group * ((behind >= 0 ? behind / a.hop + 1 : 0) + tq.first_group) : 0;
   const int64_t lens[4] = {num_raw, pre_hi, max64(tail_hi - tail_lo, 0), max64(limit - slot_lo, 0)};
   const int64_t starts[4] = {0, 0, tail_lo, slot_lo};
   const int64_t total = lens[0] + lens[1] + lens[2] + lens[3];

@@ -62,13 +62,14 @@ def _route_selection() -> None:
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
             if selected_backend is None or getattr(selected_backend, "name", None) != BACKEND_NAME:
                 return original(cls, selected_backend, attn_selector_config, num_heads)
+            from vllm_chunked_kv.backend.attention import ChunkedKVBackend
+
             if attn_selector_config.has_sliding_window:
-                if _sliding_layers() == "window":
+                if not ChunkedKVBackend.supports_sliding_window():  # sliding_window_layers 'window'
                     path = original(cls, None, attn_selector_config, num_heads)  # the model's own window, uncompressed
                     _log_sliding_layers_once(path)
                     return path
                 _log_sliding_layers_once(None)
-            from vllm_chunked_kv.backend.attention import ChunkedKVBackend
 
             reasons = ChunkedKVBackend.validate_selector_config(attn_selector_config)
             if reasons:
@@ -78,14 +79,6 @@ def _route_selection() -> None:
         return get_attn_backend_cls
 
     compat.patch_classmethod(type(current_platform), "get_attn_backend_cls", make)
-
-
-def _sliding_layers() -> str:
-    """The `sliding_window_layers` setting of the engine being built."""
-    from vllm_chunked_kv.backend import settings
-
-    cfg = settings.active_config_or_none()
-    return "window" if cfg is None else cfg.sliding_window_layers
 
 
 def _log_sliding_layers_once(path: str | None) -> None:

@@ -142,8 +142,8 @@ def visible_slots(cfg, t, origin=0):
 def in_lookback(t, j, lookback: int):
     """Whether position ``j`` is read by a query at ``t`` in a layer with the
     model's own sliding window of ``lookback`` tokens (``t - j < lookback``;
-    0: no window, every ``j``)."""
-    return t - j < lookback if lookback else t - j == t - j
+    0: no window, every ``j``: True)."""
+    return t - j < lookback if lookback else True
 
 
 def chunk_in_lookback(cfg, k, t, lookback: int, origin=0):

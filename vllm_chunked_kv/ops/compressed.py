@@ -121,7 +121,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         raw = raw.masked_fill(padding[:, None, :, None], 0)  # padding rows may hold dropped rows: masked anyway
         own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
         slots = _gather(comp_cache, *keys.slot_tables())  # [b, Hkv, Nc, Dk + Dv]
-        bias = keys.bias if not lookback else keys.bias + lookback_bias(plan.cfg, keys, raw.shape[2], lookback)
+        bias = keys.bias
+        if lookback:  # the layer's own sliding window, on top of the bias the step's layers share
+            bias = bias.masked_fill(outside_lookback(plan.cfg, keys, raw.shape[2], lookback), float("-inf"))
         q = query[keys.query_index].float()  # [b, L, Hq, D]
         q = q.view(b, num_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [b, Hkv, G, L, D]
         parts = [part.float() for part in (raw, own, slots)]
@@ -142,11 +144,11 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     return out
 
 
-def lookback_bias(cfg: ChunkedKVConfig, keys: KeySet, num_raw: int, lookback: int) -> torch.Tensor:
-    """``-inf`` where a layer's own sliding window hides a row the plan's bias
-    shows, else 0, ``[b, Hkv, L, Nr + L + Nc]`` like the bias: stored raw
-    rows and the step's rows by position, compressed slots by
-    `grid.slot_position` (column ``n`` of a bias plan is slot ``n``)."""
+def outside_lookback(cfg: ChunkedKVConfig, keys: KeySet, num_raw: int, lookback: int) -> torch.Tensor:
+    """Where a layer's own sliding window hides a row, ``[b, Hkv, L, Nr + L +
+    Nc]`` bool like the plan's bias: stored raw rows and the step's rows by
+    position, compressed slots by `grid.slot_position` (column ``n`` of a
+    bias plan is slot ``n``)."""
     t = keys.query_positions[:, None, :, None]  # [b, 1, L, 1]
     j = torch.cat([keys.raw_positions[:, :num_raw], keys.query_positions], dim=1)[:, None, None, :]  # [b, 1, 1, Nr + L]
     o = keys.origins[:, :, None, None]  # [b, Hkv, 1, 1]
@@ -154,8 +156,7 @@ def lookback_bias(cfg: ChunkedKVConfig, keys: KeySet, num_raw: int, lookback: in
     s = torch.arange(num_slots, device=t.device)[None, None, None, :]  # [1, 1, 1, Nc]
     raw = grid.in_lookback(t, j, lookback).expand(-1, o.shape[1], -1, -1)  # [b, Hkv, L, Nr + L]
     slots = grid.in_lookback(t, grid.slot_position(cfg, s, o), lookback)  # [b, Hkv, L, Nc]
-    hidden = torch.cat([raw, slots.expand(-1, -1, t.shape[2], -1)], dim=-1).logical_not()
-    return torch.zeros(hidden.shape, dtype=torch.float32, device=t.device).masked_fill(hidden, float("-inf"))
+    return torch.cat([raw, slots.expand(-1, -1, t.shape[2], -1)], dim=-1).logical_not()
 
 
 QUERY_SLICE = 256  # queries of a multi-token request whose logits are held at once (cap or sinks)

@@ -226,8 +226,8 @@ def _chunked_kv_attention_kernel(
     comp_row = row.to(tl.int64) * max_slots
     limit = tl.minimum(tl.load(num_slots_ptr + row), SPG * (sealed_hi + first_group))
     behind = t_lo - lookback - origin - CHUNK_SIZE + 1
-    slot_lo = tl.where((lookback > 0) & (behind >= 0), SPG * (tl.maximum(behind, 0) // HOP + 1 + first_group), 0)
-    slot_lo = tl.where(lookback > 0, tl.maximum(slot_lo, SPG * first_group), 0)
+    first_chunk = tl.where(behind >= 0, tl.maximum(behind, 0) // HOP + 1, 0)
+    slot_lo = tl.where(lookback > 0, SPG * (first_chunk + first_group), 0)
     for i in range(split, tl.cdiv(tl.maximum(limit - slot_lo, 0), BLOCK_N), NUM_SPLITS):
         s = slot_lo + i * BLOCK_N + n
         ok = s < limit
