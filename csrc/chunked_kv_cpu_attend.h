@@ -123,10 +123,10 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
     b.n = static_cast<int>(min64(kBlockKeys, hi - s0));
     t.ahead_n = static_cast<int>(max64(0, min64(kBlockKeys, hi - s0 - kAheadRows)));
     for (int n = 0; n < t.ahead_n; ++n) t.ahead[n] = slot_row(s0 + kAheadRows + n);
+    int kind = static_cast<int>(s0 % spg);  // slot s0 + n's kind and chunk, counted on (no division per slot)
+    int64_t k = s0 / spg - tq.first_group;
     for (int n = 0; n < b.n; ++n) {
       const int64_t s = s0 + n;
-      const int kind = static_cast<int>(s % spg);
-      const int64_t k = s / spg - tq.first_group;
       const int64_t first = tq.origin + k * a.hop;
       const bool exists = k >= 0 && (kind == kFirst ? first >= a.sink_tokens : first + a.chunk_size - 1 >= a.sink_tokens);
       const float bias = kind == kPooled ? a.log_weight : 0.f;
@@ -138,6 +138,10 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
         any |= v;
       }
       b.row[n] = any ? slot_row(s) : nullptr;
+      if (++kind == spg) {
+        kind = 0;
+        ++k;
+      }
     }
     hide_beyond(b, tq.count);
     fold_block<TC>(t, b);

@@ -20,6 +20,8 @@
 //    vector loaded once per row group (packed in fp32 for multi-token tiles).
 #pragma once
 
+#include <type_traits>
+
 #include "chunked_kv_cpu.h"
 #include "chunked_kv_cpu_simd.h"
 
@@ -62,7 +64,7 @@ struct Block {
 #define CHUNKED_KV_PREFETCH_INLINE inline __attribute__((always_inline))
 static CHUNKED_KV_PREFETCH_INLINE void prefetch_row(const void* row, int bytes) {
   const char* p = static_cast<const char*>(row);
-  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
 // The next block's row n, asked for while row n of this block is folded
@@ -72,50 +74,105 @@ static CHUNKED_KV_PREFETCH_INLINE void prefetch_ahead(const Tile& t, int n) {
   if (n < t.ahead_n) prefetch_row(t.ahead[n], t.row_bytes);
 }
 
+// f(NR, r0) over the tile's query rows: blocks of kRowBlock rows, then the rest as one block.
+template <typename F>
+static inline void row_blocks(int rows, F&& f) {
+  int r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) f(std::integral_constant<int, kRowBlock>{}, r);
+  switch (rows - r) {
+    case 3:
+      if constexpr (kRowBlock > 3) f(std::integral_constant<int, 3>{}, r);
+      break;
+    case 2:
+      if constexpr (kRowBlock > 2) f(std::integral_constant<int, 2>{}, r);
+      break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+  }
+}
+
 // --- 1. logits
-
-template <typename T, int NR>
-static inline void dots_rows(Tile& t, int r0, const T* key, int n) {
-  vf acc[NR];
-  for (int i = 0; i < NR; ++i) acc[i] = vzero();
-  for (int d = 0; d < t.head_d; d += W) {
-    const vf k = vload_upto(key + d, t.head_d - d);
-    for (int i = 0; i < NR; ++i) acc[i] = vfma(vload(t.q + (r0 + i) * t.dp + d), k, acc[i]);
-  }
-  for (int i = 0; i < NR; ++i) t.p[r0 + i][n] = vsum(acc[i]);
-}
-
-#if defined(CHUNKED_KV_AVX512_BF16)
-template <int NR>
-static inline void dots_rows_bf16(Tile& t, int r0, const Bf16* key, int n) {
-  const int stride = round_up(t.head_d, 32);
-  __m512 acc[NR];
-  for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
-  for (int d = 0; d < t.head_d; d += 32) {
-    const int left = t.head_d - d;
-    const __mmask32 mask = left >= 32 ? ~0u : (1u << left) - 1u;
-    const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d);
-    for (int i = 0; i < NR; ++i) {
-      const __m512bh q = (__m512bh)_mm512_loadu_si512(t.q_bf16 + (r0 + i) * stride + d);
-      acc[i] = _mm512_dpbf16_ps(acc[i], q, k);
-    }
-  }
-  for (int i = 0; i < NR; ++i) t.p[r0 + i][n] = _mm512_reduce_add_ps(acc[i]) * t.post_scale;
-}
-#endif
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<Bf16> { static constexpr bool value = true; };
 
-template <typename T, int NR>
-static inline void dots_key(Tile& t, int r0, const T* key, int n) {
+// Query rows r0 .. r0+NR against one key, unreduced: out[i]'s lanes sum to row i's
+// logit (before post_scale when Bf: bf16 pairs through AVX-512 BF16 dot products).
+template <typename T, int NR, bool Bf>
+static inline void key_partials(const Tile& t, int r0, const T* key, vf out[NR]) {
+  vf acc[NR];  // in registers across the loop (out may live in memory)
+  for (int i = 0; i < NR; ++i) acc[i] = vzero();
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if constexpr (IsBf16<T>::value) {
-    if (t.dot_bf16) return dots_rows_bf16<NR>(t, r0, key, n);
+  if constexpr (Bf && IsBf16<T>::value) {
+    const int stride = round_up(t.head_d, 32);
+    const uint16_t* q = t.q_bf16 + r0 * stride;
+    for (int d = 0; d < t.head_d; d += 32) {
+      const int left = t.head_d - d;
+      const __mmask32 mask = left >= 32 ? ~0u : (1u << left) - 1u;
+      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d);
+      for (int i = 0; i < NR; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(q + i * stride + d), k);
+    }
+    for (int i = 0; i < NR; ++i) out[i] = acc[i];
+    return;
   }
 #endif
-  dots_rows<T, NR>(t, r0, key, n);
+  const float* q = t.q + r0 * t.dp;
+  for (int d = 0; d < t.head_d; d += W) {
+    const vf k = vload_upto(key + d, t.head_d - d);
+    for (int i = 0; i < NR; ++i) acc[i] = vfma(vload(q + i * t.dp + d), k, acc[i]);
+  }
+  for (int i = 0; i < NR; ++i) out[i] = acc[i];
 }
+
+#if defined(CHUNKED_KV_AVX512)
+// Logits of rows r0 .. r0+NR straight from the key rows, sixteen keys at a
+// time, their lane sums taken together (sum4, fold_lanes).
+template <typename T, int NR, bool Bf>
+static void direct_logits(Tile& t, const Block& b, int r0) {
+  const vf scale = vset(Bf ? t.post_scale : 1.f);
+  for (int n0 = 0; n0 < kBlockKeys; n0 += 16) {
+    if (n0 >= b.n) {  // no rows: any finite logit does, the block's -inf hides it
+      for (int i = 0; i < NR; ++i) vstore(&t.p[r0 + i][n0], vzero());
+      continue;
+    }
+    vf half[2][NR];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      vf quad[2][NR];
+#pragma GCC unroll 2
+      for (int q4 = 0; q4 < 2; ++q4) {
+        vf v[4][NR];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const int n = n0 + 8 * h + 4 * q4 + k;
+          if (r0 == 0) prefetch_ahead(t, n);
+          const void* row = n < b.n ? b.row[n] : nullptr;
+          if (row) {
+            key_partials<T, NR, Bf>(t, r0, static_cast<const T*>(row), v[k]);
+          } else {
+            for (int i = 0; i < NR; ++i) v[k][i] = vzero();
+          }
+        }
+        for (int i = 0; i < NR; ++i) quad[q4][i] = sum4(v[0][i], v[1][i], v[2][i], v[3][i]);
+      }
+      for (int i = 0; i < NR; ++i) half[h][i] = fold_lanes(quad[0][i], quad[1][i]);
+    }
+    for (int i = 0; i < NR; ++i) vstore(&t.p[r0 + i][n0], vmul(fold_lanes(half[0][i], half[1][i]), scale));
+  }
+}
+#else
+// Logits of rows r0 .. r0+NR straight from the key rows, one key at a time.
+template <typename T, int NR, bool Bf>
+static void direct_logits(Tile& t, const Block& b, int r0) {
+  for (int n = 0; n < kBlockKeys; ++n) {
+    if (r0 == 0) prefetch_ahead(t, n);
+    if (n >= b.n || !b.row[n]) continue;
+    vf v[NR];
+    key_partials<T, NR, Bf>(t, r0, static_cast<const T*>(b.row[n]), v);
+    for (int i = 0; i < NR; ++i) t.p[r0 + i][n] = vsum(v[i]);
+  }
+}
+#endif
 
 template <int NR>
 static inline void packed_logits(Tile& t, int r0) {  // t.p[r0 .. r0+NR) = q @ kt
@@ -206,19 +263,14 @@ static void block_logits(Tile& t, const Block& b) {
       for (int d = 0; d < t.head_d; ++d) t.kt[d * kBlockKeys + n] = row ? to_float(row[d]) : 0.f;
       pack_values(t, row, n);
     }
-    int r = 0;
-    for (; r + kRowBlock <= t.rows; r += kRowBlock) packed_logits<kRowBlock>(t, r);
-    for (; r < t.rows; ++r) packed_logits<1>(t, r);
+    row_blocks(t.rows, [&](auto nr, int r0) { packed_logits<decltype(nr)::value>(t, r0); });
     return;
   }
-  for (int n = 0; n < kBlockKeys; ++n) {
-    prefetch_ahead(t, n);
-    if (n >= b.n || !b.row[n]) continue;
-    const T* key = static_cast<const T*>(b.row[n]);
-    int r = 0;
-    for (; r + kRowBlock <= t.rows; r += kRowBlock) dots_key<T, kRowBlock>(t, r, key, n);
-    for (; r < t.rows; ++r) dots_key<T, 1>(t, r, key, n);
-  }
+#if defined(CHUNKED_KV_AVX512_BF16)
+  if (IsBf16<T>::value && t.dot_bf16)
+    return row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, true>(t, b, r0); });
+#endif
+  row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, false>(t, b, r0); });
 }
 
 // --- 2. online softmax
@@ -300,9 +352,7 @@ static void block_values(Tile& t, const Block& b) {
   auto run = [&](auto tag) {
     using V = decltype(tag);
     const V* const* values = reinterpret_cast<const V* const*>(ptrs);
-    int r = 0;
-    for (; r + kRowBlock <= t.rows; r += kRowBlock) pv_rows<V, kRowBlock>(t, b, r, values, stride);
-    for (; r < t.rows; ++r) pv_rows<V, 1>(t, b, r, values, stride);
+    row_blocks(t.rows, [&](auto nr, int r0) { pv_rows<V, decltype(nr)::value>(t, b, r0, values, stride); });
   };
   if (t.packed) run(float{});
   else run(T{});

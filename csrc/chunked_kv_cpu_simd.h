@@ -84,6 +84,20 @@ static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEA
 static inline vf vscale_live(vf y, vf n, vf x, float lo) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(lo), _CMP_GE_OQ), _mm512_scalef_ps(y, n));
 }
+
+// Lane sums of sixteen vectors as one vector, by a transpose-and-add tree (45
+// instructions where sixteen separate reductions take about 130):
+//   sum4(a, b, c, d): each 128-bit lane L holds [a, b, c, d] summed over lane L;
+//   fold_lanes(x, y): 128-bit lanes [x0 + x1, x2 + x3, y0 + y1, y2 + y3].
+// sum16 of v[0..15] holds the sum of v[n]'s lanes at element n.
+static inline vf sum4(vf a, vf b, vf c, vf d) {
+  const vf ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // [a02 b02 a13 b13] per lane
+  const vf cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+}
+static inline vf fold_lanes(vf x, vf y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
 #elif defined(CHUNKED_KV_AVX2)
 constexpr int W = 8;
 typedef __m256 vf;
