@@ -82,6 +82,7 @@ struct AttendArgs {
   const float* sinks;  // [num_heads] the model's learned sink logits (in each softmax's denominator), or null
   int64_t lookback;    // the layer's own sliding window: a query at t reads position j only if t - j < lookback; 0: none
   DType step_dtype, cache_dtype, out_dtype;
+  int64_t* pair_tiles;  // out, or null: += the tiles whose values took bf16 pair products (chunked_kv_cpu_bf16.h)
 };
 
 // Merge the split partials of attend into out [n, num_heads, head_dv].

@@ -162,7 +162,8 @@ static void load_queries(const AttendArgs& a, Tile& t, const int64_t* tokens, in
 }
 
 template <typename TC, typename TS>
-static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int64_t tile, int head, int split) {
+// Returns whether the tile's values took bf16 pair products.
+static bool attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int64_t tile, int head, int split) {
   const int group = a.num_heads / a.num_kv_heads;
   const int64_t q_row = row * a.num_q, first = tile * a.tile_q;
   const int64_t* tokens = a.query_index + q_row + first;
@@ -180,8 +181,9 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   t.packed = t.rows > kPackRows;
 #if defined(CHUNKED_KV_AVX512_BF16)
   t.dot_bf16 = a.query_is_bf16;
+  t.pairs = t.dot_bf16 && !t.packed && IsBf16<TC>::value && IsBf16<TS>::value && a.head_dv % 32 == 0;
 #else
-  t.dot_bf16 = false;
+  t.dot_bf16 = t.pairs = false;
 #endif
   load_queries(a, t, tokens, head);
   if (a.sinks && split == 0)  // a learned sink logit: in the denominator from the start, no value
@@ -224,6 +226,9 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   fold_raw<TS>(t, b, tq, range[1][0], range[1][1], own_pos, own_row);
   fold_raw<TS>(t, b, tq, range[2][0], range[2][1], own_pos, own_row);
   fold_slots<TC>(a, t, b, tq, row, head, range[3][0], range[3][1]);
+#if defined(CHUNKED_KV_AVX512_BF16)
+  if (t.pairs) unpair_rows(t);
+#endif
 
   for (int r = 0; r < t.rows; ++r) {
     const int64_t token = tokens[r / group], q_head = (int64_t)head * group + r % group;
@@ -238,6 +243,7 @@ static void attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
     a.part_ml[flat] = t.m[r];
     a.part_ml[(int64_t)a.num_splits * a.num_tokens * a.num_heads + flat] = t.l[r];
   }
+  return t.pairs;
 }
 
 struct TileBuffers {
@@ -274,7 +280,8 @@ template <typename TC, typename TS>
 static void attend_typed(const AttendArgs& a) {
   const int64_t tiles = (a.num_q + a.tile_q - 1) / a.tile_q;
   const int64_t items = a.num_rows * tiles * a.num_kv_heads * a.num_splits;
-#pragma omp parallel num_threads(a.num_threads)
+  int64_t pairs = 0;
+#pragma omp parallel num_threads(a.num_threads) reduction(+ : pairs)
   {
     TileBuffers buf = make_buffers(a);
 #pragma omp for schedule(dynamic, 1)
@@ -283,10 +290,11 @@ static void attend_typed(const AttendArgs& a) {
       const int64_t rest = item / a.num_splits;
       const int head = static_cast<int>(rest % a.num_kv_heads);
       const int64_t row_tile = rest / a.num_kv_heads;
-      attend_item<TC, TS>(a, *buf.tile, *buf.block, row_tile / tiles, row_tile % tiles, head, split);
+      pairs += attend_item<TC, TS>(a, *buf.tile, *buf.block, row_tile / tiles, row_tile % tiles, head, split);
     }
     free(buf.memory);
   }
+  if (a.pair_tiles) *a.pair_tiles += pairs;
 }
 
 static void merge_splits_impl(const MergeArgs& a) {

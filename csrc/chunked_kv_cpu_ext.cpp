@@ -22,7 +22,7 @@ using at::Tensor;
 using chunked_kv_cpu::DType;
 using chunked_kv_cpu::KernelTable;
 
-std::atomic<int64_t> g_write_calls{0}, g_attend_calls{0}, g_plan_calls{0};
+std::atomic<int64_t> g_write_calls{0}, g_attend_calls{0}, g_plan_calls{0}, g_pair_tiles{0};
 
 // The instruction sets this CPU can run, widest first.
 std::vector<const KernelTable*> supported_tables() {
@@ -221,8 +221,11 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
   TORCH_CHECK(lookback >= 0, "chunked_kv: lookback must be >= 0");
   a.lookback = lookback;
   a.num_threads = at::get_num_threads();
+  int64_t pair_tiles = 0;
+  a.pair_tiles = &pair_tiles;
   ++g_attend_calls;
   if (a.num_rows && a.num_q) table().attend(a);
+  g_pair_tiles += pair_tiles;
 }
 
 // Store the step rows of `tokens` [w] at their raw slots (`slots` [n], vLLM's
@@ -297,6 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "Chunked attention of one key set's queries");
   m.def("decode_plan", &decode_plan, "The index plan of a uniform decode batch (ops/decode_plan.py)");
   m.def("plan_calls", [] { return g_plan_calls.load(); }, "decode_plan calls so far");
+  m.def("pair_value_tiles", [] { return g_pair_tiles.load(); },
+        "attention tiles so far whose values took bf16 pair products (AVX-512 BF16)");
   m.def("merge_splits", &merge_splits, "Merge split partial softmaxes into out");
   m.def("isa", [] { return std::string(table().isa); }, "The instruction set whose kernels run");
   m.def("set_isa", &set_isa, "Run the kernels of this instruction set (one of supported_isas())");

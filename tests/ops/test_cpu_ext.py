@@ -216,9 +216,12 @@ def test_every_instruction_set(module, isa, name, group, dtype):
 
 @pytest.mark.parametrize("name, options", KERNEL_SHAPES + [
     ("overlap", dict(group=16, dtype=torch.bfloat16, tol=3e-2)),  # 16 rows per decode tile
-    # bf16 decode tiles of 3 rows (SmolLM2's group) over a head of 72: bf16 pairs with a masked tail
+    # bf16 decode tiles of 3 rows (SmolLM2's group): heads of 72 (a masked tail of bf16 key pairs,
+    # fp32 values) and 64 (values in bf16 pair products)
     ("boundary-gated", dict(group=3, head_size=72, dtype=torch.bfloat16, tol=3e-2, decode_only=True,
                             decode_plan=True)),
+    ("stagger-heads", dict(group=3, head_size=64, dtype=torch.bfloat16, tol=3e-2, decode_only=True,
+                           decode_plan=True)),
     ("none-sinks", dict(group=cpu_ext.MAX_TILE_ROWS, num_kv_heads=1, head_size=4)),  # the largest tile
 ])
 def test_shapes_tiles_splits_and_dtypes(module, name, options):
@@ -260,6 +263,24 @@ def test_bf16_prefill_tiles_take_bf16_products(module, isa, head_size):
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
         outs[each] = out
     assert not torch.equal(outs["avx512bf16"], outs["avx512"])
+
+
+@pytest.mark.parametrize("head_size, block_m", [(64, 1), (96, 2)])
+def test_bf16_decode_tiles_take_bf16_value_pairs(module, isa, head_size, block_m):
+    """On AVX-512 BF16, a bf16 tile of at most 8 query rows whose value head
+    is a multiple of 32 multiplies values two keys at a time (bf16 pairs,
+    counted by `pair_value_tiles`): its output is within bf16 tolerance of
+    the reference; the AVX-512 kernel takes no pairs on the same tile."""
+    if "avx512bf16" not in module.supported_isas():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    args, want = schedule.bf16_prefill_step(head_size)
+    for each, takes_pairs in (("avx512bf16", True), ("avx512", False)):
+        isa(each)
+        out = torch.full(args[0].shape, float("nan"))
+        before = module.pair_value_tiles()
+        cpu_ext.attend(*args, out=out, block_m=block_m)  # block_m queries x GQA 4: 4 or 8 rows, not packed
+        torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+        assert (module.pair_value_tiles() > before) == takes_pairs, each
 
 
 def test_the_kernels_really_run(module, monkeypatch):

@@ -45,7 +45,8 @@ SOURCES_DIR: Path = cuda_ext.SOURCES_DIR  # csrc/ of a checkout, or the copy a w
 SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_kv_cpu_avx512.cpp",
            "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
 HEADERS = ("chunked_kv_cpu.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_cpu_simd.h",
-           "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h", "chunked_kv_cpu_write.h", "chunked_kv_cpu_plan.h")
+           "chunked_kv_cpu_tile.h", "chunked_kv_cpu_bf16.h", "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h",
+           "chunked_kv_cpu_write.h", "chunked_kv_cpu_plan.h")
 NO_SINKS = torch.empty(0)  # `attend`'s sinks argument for a model without them
 MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
