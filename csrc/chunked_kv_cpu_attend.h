@@ -181,7 +181,7 @@ static bool attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
   t.packed = t.rows > kPackRows;
 #if defined(CHUNKED_KV_AVX512_BF16)
   t.dot_bf16 = a.query_is_bf16;
-  t.pairs = t.dot_bf16 && !t.packed && IsBf16<TC>::value && IsBf16<TS>::value && a.head_dv % 32 == 0;
+  t.pairs = t.dot_bf16 && IsBf16<TC>::value && IsBf16<TS>::value && a.head_dv % 32 == 0;
 #else
   t.dot_bf16 = t.pairs = false;
 #endif

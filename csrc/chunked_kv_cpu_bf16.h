@@ -48,7 +48,7 @@ static void packed_block_bf16(Tile& t, const Block& b) {
       if (row) memcpy(&pair, row + 2 * p, 2 * p + 1 < t.head_d ? 4 : 2);  // an odd head's last dim pairs with 0
       kt[p * kBlockKeys + n] = pair;
     }
-    pack_values(t, row, n);
+    if (!t.pairs) pack_values(t, row, n);  // pair products read the value rows in place
   }
   int r = 0;
   for (; r + 8 <= t.rows; r += 8) packed_logits_bf16<8>(t, r, pairs);
@@ -56,7 +56,7 @@ static void packed_block_bf16(Tile& t, const Block& b) {
   for (; r < t.rows; ++r) packed_logits_bf16<1>(t, r, pairs);
 }
 
-// A few-row tile's values in bf16 (AVX-512 BF16): acc [R, Dv] += P [R, N] @ V [N, Dv],
+// A tile's values in bf16 (AVX-512 BF16): acc [R, Dv] += P [R, N] @ V [N, Dv],
 // two keys per dot product. Rows n and n + 1 are interleaved into pairs of one dim
 // (unpacklo / unpackhi of 16-bit elements) and each query row's probabilities for
 // them are rounded to one bf16 pair, as FlashAttention rounds P for its value

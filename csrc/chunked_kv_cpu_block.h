@@ -18,9 +18,9 @@
 // 2. the online softmax update per query row, vectorised (hidden logits weigh 0),
 //    after the model's logit cap when it has one;
 // 3. acc [R, Dv] += P [R, N] @ V [N, Dv], register-blocked, each value
-//    vector loaded once per row block: two keys per AVX-512 BF16 dot product
-//    for few rows of bf16 values (chunked_kv_cpu_bf16.h), else in fp32
-//    (packed for multi-token tiles).
+//    vector loaded once per row block: bf16 values two keys per AVX-512 BF16
+//    dot product (chunked_kv_cpu_bf16.h), others in fp32 (packed for
+//    multi-token tiles).
 //
 // The tile and block types: chunked_kv_cpu_tile.h.
 #pragma once

@@ -265,12 +265,13 @@ def test_bf16_prefill_tiles_take_bf16_products(module, isa, head_size):
     assert not torch.equal(outs["avx512bf16"], outs["avx512"])
 
 
-@pytest.mark.parametrize("head_size, block_m", [(64, 1), (96, 2)])
-def test_bf16_decode_tiles_take_bf16_value_pairs(module, isa, head_size, block_m):
-    """On AVX-512 BF16, a bf16 tile of at most 8 query rows whose value head
-    is a multiple of 32 multiplies values two keys at a time (bf16 pairs,
-    counted by `pair_value_tiles`): its output is within bf16 tolerance of
-    the reference; the AVX-512 kernel takes no pairs on the same tile."""
+@pytest.mark.parametrize("head_size, block_m", [(64, 1), (96, 2), (64, 10)])
+def test_bf16_tiles_take_bf16_value_pairs(module, isa, head_size, block_m):
+    """On AVX-512 BF16, a bf16 tile whose value head is a multiple of 32
+    multiplies values two keys at a time (bf16 pairs, counted by
+    `pair_value_tiles`), in tiles of few rows (4, 8) read in place and in
+    packed ones (40): its output is within bf16 tolerance of the reference;
+    the AVX-512 kernel takes no pairs on the same tile."""
     if "avx512bf16" not in module.supported_isas():
         pytest.skip("this CPU has no AVX-512 BF16")
     args, want = schedule.bf16_prefill_step(head_size)
@@ -278,7 +279,7 @@ def test_bf16_decode_tiles_take_bf16_value_pairs(module, isa, head_size, block_m
         isa(each)
         out = torch.full(args[0].shape, float("nan"))
         before = module.pair_value_tiles()
-        cpu_ext.attend(*args, out=out, block_m=block_m)  # block_m queries x GQA 4: 4 or 8 rows, not packed
+        cpu_ext.attend(*args, out=out, block_m=block_m)  # block_m queries x GQA 4 rows
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
         assert (module.pair_value_tiles() > before) == takes_pairs, each
 
