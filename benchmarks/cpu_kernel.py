@@ -35,8 +35,8 @@ import torch
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan
-from vllm_chunked_kv.ops.step_plan import NULL_PAGE, PagedBatch, build_plan
+from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.plans.step_plan import NULL_PAGE, PagedBatch, build_plan
 
 
 def paged_step(cfg: ChunkedKVConfig, context: int, batch: int, q_len: int, *, block_size: int, layers: int,

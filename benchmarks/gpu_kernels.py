@@ -45,7 +45,7 @@ from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.masked import masked_chunked_attention
-from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
+from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, build_plan
 
 MITIGATIONS = ("none", "boundary", "overlap", "stride2")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan
+from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.host_sync import no_host_sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts

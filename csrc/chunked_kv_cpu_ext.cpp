@@ -2,7 +2,7 @@
 // fills the argument structs and runs the kernels of the widest instruction
 // set this CPU has (or the one `set_isa` names), with
 // as many OpenMP threads as torch uses. Built on demand by
-// vllm_chunked_kv/ops/cpu_ext.py, which turns a step's `StepPlan` into these calls.
+// vllm_chunked_kv/ops/kernels/cpu_ext.py, which turns a step's `StepPlan` into these calls.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>

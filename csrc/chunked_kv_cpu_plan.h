@@ -1,5 +1,5 @@
 // The step plan of a uniform decode batch on CPU, in one call: what
-// vllm_chunked_kv/ops/decode_plan.py builds from some eighty small tensor
+// vllm_chunked_kv/ops/plans/decode_plan.py builds from some eighty small tensor
 // ops (a few microseconds each), computed element by element. Same
 // definitions (vllm_chunked_kv/core/grid.py), same shapes, same padding;
 // tests/ops/test_decode_plan.py holds the two equal. Included by

@@ -1,6 +1,6 @@
 // Torch binding of the chunked KV kernels: checks the tensors, fills the
 // launcher structs of chunked_kv.h and launches on the current CUDA stream.
-// Built on demand by vllm_chunked_kv/ops/cuda_ext.py, which turns a step's
+// Built on demand by vllm_chunked_kv/ops/kernels/cuda_ext.py, which turns a step's
 // `StepPlan` into these calls. With CHUNKED_KV_CPU_EMULATION (tests only)
 // the tensors are CPU tensors and the kernels run in cpu_emulation.h.
 #include <ATen/ATen.h>

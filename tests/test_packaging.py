@@ -13,7 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from vllm_chunked_kv.ops import cpu_ext, cuda_ext
+from vllm_chunked_kv.ops.kernels import cpu_ext, cuda_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,7 @@ from tests.ops.test_decode_plan import SyncGuard
 from vllm_chunked_kv.backend.attention import ChunkedKVMetadataBuilder, decode_plan_on_device
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.backend import alignment
-from vllm_chunked_kv.ops import cpu_ext
+from vllm_chunked_kv.ops.kernels import cpu_ext
 
 
 def _builder(device_plan: bool, cfg: ChunkedKVConfig | None = None) -> ChunkedKVMetadataBuilder:

@@ -23,7 +23,8 @@ def test_doctor_on_cpu(capsys):
 
 
 def test_doctor_without_the_cpp_kernels(capsys, monkeypatch):
-    from vllm_chunked_kv.ops import cpu_ext, dispatch
+    from vllm_chunked_kv.ops import dispatch
+    from vllm_chunked_kv.ops.kernels import cpu_ext
 
     saved = dict(cpu_ext._state)
     monkeypatch.setenv(cpu_ext.BUILD_ENV, "0")

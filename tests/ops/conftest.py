@@ -91,8 +91,8 @@ class TritonOps:
     def __init__(self, worker: _Worker) -> None:
         from . import schedule
 
-        self.pool = _Module(worker, "vllm_chunked_kv.ops.triton_pool")
-        self.attention = _Module(worker, "vllm_chunked_kv.ops.triton_attention")
+        self.pool = _Module(worker, "vllm_chunked_kv.ops.kernels.triton_pool")
+        self.attention = _Module(worker, "vllm_chunked_kv.ops.kernels.triton_attention")
         self.dispatch = _Module(worker, "vllm_chunked_kv.ops.dispatch")
         self.schedule = _Module(worker, schedule.__name__)
 

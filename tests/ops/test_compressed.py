@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.compressed (with ops.step_plan and layout):
+"""Contract of vllm_chunked_kv.ops.kernels.compressed (with ops.step_plan and layout):
 stored the way the backend stores it, chunked attention equals the reference.
 
 Through `schedule.run_schedule` (a simulated vLLM pager; reading a dropped
@@ -11,7 +11,7 @@ with every row given its page (prefix caching on), where every row a step
 computes must land in its page (a later request may hit it).
 
 vLLM's padding slots (-1 in dummy batches) never reach a live page: every
-implementation stores raw rows through `compressed.write_raw`, which sends
+implementation stores raw rows through `shared.write_raw`, which sends
 them to the null page and writes real rows where their slots say.
 
 The layers of a step share its plan and writes, so what the kernels derive
@@ -29,8 +29,9 @@ import torch
 
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, dispatch
-from vllm_chunked_kv.ops.step_plan import NULL_PAGE
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.kernels import compressed, shared
+from vllm_chunked_kv.ops.plans.step_plan import NULL_PAGE
 
 from .schedule import CONFIGS, LOGIT_OPTIONS, run_schedule
 
@@ -39,10 +40,10 @@ def test_step_gains_are_made_once_per_gains():
     none = torch.zeros(0, dtype=torch.long)
     writes = compressed.ChunkWrites(*[none] * 9)  # no chunks: only the memo matters
     cfg = ChunkedKVConfig(pooling="gated", slot_gains=[[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
-    first, second = (compressed.step_gains(writes, cfg.for_layer(layer), "cpu") for layer in (0, 1))
+    first, second = (shared.step_gains(writes, cfg.for_layer(layer), "cpu") for layer in (0, 1))
     assert first.tolist() == [1.0, 0.0, 0.0, 0.0] and second.tolist() == [0.0, 0.5, 0.5, 0.0]
-    assert compressed.step_gains(writes, cfg.for_layer(1), "cpu") is second
-    key_norm = compressed.step_gains(writes, ChunkedKVConfig(pooling="key_norm"), "cpu")
+    assert shared.step_gains(writes, cfg.for_layer(1), "cpu") is second
+    key_norm = shared.step_gains(writes, ChunkedKVConfig(pooling="key_norm"), "cpu")
     assert key_norm.tolist() == [0.0] * 4
 
 torch.set_num_threads(1)
@@ -91,11 +92,11 @@ def test_pad_slots_never_reach_a_live_page(impl):
     if impl == "cpp":
         if dispatch.available("cpp", "cpu"):
             pytest.skip("the C++ CPU kernels cannot run here")
-        from vllm_chunked_kv.ops import cpu_ext
+        from vllm_chunked_kv.ops.kernels import cpu_ext
 
         assert write_raw is cpu_ext.write_raw
     else:
-        assert write_raw is compressed.write_raw
+        assert write_raw is shared.write_raw
     raw = torch.zeros(4, 2, 8, 6)  # [blocks, Hkv, rows, Dk + Dv]
     step_rows = torch.arange(1, 5, dtype=torch.float32).view(4, 1, 1).expand(4, 2, 6).clone()  # [n, Hkv, Dk + Dv]
     slots = torch.tensor([-1, 8 * 2 + 3, -1, 8 * 1 + 0])  # tokens 0 and 2 are padding (-1 // 8 is the last page)

@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.cpu_ext and the C++ CPU kernels (csrc/chunked_kv_cpu*).
+"""Contract of vllm_chunked_kv.ops.kernels.cpu_ext and the C++ CPU kernels (csrc/chunked_kv_cpu*).
 
 Loading:
 - the extension builds here (a C++ compiler is installed) and reports the
@@ -41,8 +41,9 @@ import pytest
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, cpu_ext, dispatch
-from vllm_chunked_kv.ops.step_plan import ChunkWrites
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.kernels import compressed, cpu_ext
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
 from . import schedule
 from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,

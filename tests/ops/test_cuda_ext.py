@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.cuda_ext and the CUDA sources in csrc/.
+"""Contract of vllm_chunked_kv.ops.kernels.cuda_ext and the CUDA sources in csrc/.
 
 On any machine:
 - without a CUDA device and without CHUNKED_KV_BUILD_CUDA=1 nothing is
@@ -51,7 +51,8 @@ import pytest
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import cuda_ext, dispatch
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.kernels import cuda_ext
 
 from . import schedule
 from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,

@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.decode_plan: the device-side plan of a
+"""Contract of vllm_chunked_kv.ops.plans.decode_plan: the device-side plan of a
 uniform decode batch is the Python plan of `step_plan.build_plan`.
 
 - On random decode schedules for every config of the schedule harness
@@ -30,8 +30,8 @@ import torch
 
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
-from vllm_chunked_kv.ops.step_plan import NULL_PAGE, build_plan
+from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
+from vllm_chunked_kv.ops.plans.step_plan import NULL_PAGE, build_plan
 
 from .schedule import CONFIGS, Pager, run_schedule
 
@@ -118,7 +118,7 @@ def _assert_same_plan(got, want) -> None:
 def test_cpu_plan_is_one_extension_call():
     """On CPU without a bias the plan comes from the C++ extension once it is
     loaded (`native=None`), one call per plan."""
-    from vllm_chunked_kv.ops import cpu_ext
+    from vllm_chunked_kv.ops.kernels import cpu_ext
 
     module = cpu_ext.load()
     assert module is not None, cpu_ext.unavailable_reasons()

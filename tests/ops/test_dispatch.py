@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, dispatch
+from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops.kernels import compressed, shared
 
 torch.set_num_threads(1)
 
@@ -101,7 +102,7 @@ def test_cuda_kernel_limits_fall_back_to_triton(monkeypatch):
 
 
 def test_cuda_limits_are_reasons():
-    from vllm_chunked_kv.ops import cuda_ext
+    from vllm_chunked_kv.ops.kernels import cuda_ext
 
     reasons = cuda_ext.unsupported(512, 512, 64)
     assert len(reasons) == 2 and "512" in reasons[1] and "64" in reasons[0]
@@ -130,7 +131,7 @@ def test_forcing_an_implementation(monkeypatch):
 def test_split_attend_sends_decodes_and_prefill_pieces_apart():
     """Each side sees only its key sets; the pieces' rows come from the
     prefill side even though both sides write every row they are given."""
-    from vllm_chunked_kv.ops.step_plan import PagedBatch, build_plan
+    from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, build_plan
 
     cfg = ChunkedKVConfig(chunk_size=4, window=8)
     batch = PagedBatch(query_start=[0, 1, 7, 8], seq_lens=[30, 20, 41], block_table=torch.arange(1, 19).view(3, 6),
@@ -155,7 +156,7 @@ def test_split_attend_sends_decodes_and_prefill_pieces_apart():
 
 def test_torch_ops_are_the_compressed_path():
     ops = dispatch.ops("torch")
-    assert (ops.write_raw, ops.write_chunks.__wrapped__, ops.attend) == (compressed.write_raw, compressed.write_chunks,
+    assert (ops.write_raw, ops.write_chunks.__wrapped__, ops.attend) == (shared.write_raw, compressed.write_chunks,
                                                                          compressed.attend)
     assert ops.needs_bias
     with pytest.raises(ValueError, match="unknown implementation"):

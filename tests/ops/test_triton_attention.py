@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.triton_attention (with triton_pool's
+"""Contract of vllm_chunked_kv.ops.kernels.triton_attention (with triton_pool's
 `write_chunks`), run under Triton's CPU interpreter.
 
 Through `schedule.run_schedule` with ``impl="triton"`` (a simulated vLLM
@@ -114,8 +114,8 @@ def test_attention_with_cap_and_sinks_compiles(compile_for_gpu, tile_m):
 
 
 def _compile_attention(compile_for_gpu, dtype, settings, group, tile_m, splits, arch, *, head, logits=None):
-    from vllm_chunked_kv.ops import triton_attention
-    from vllm_chunked_kv.ops.step_plan import StepPlan
+    from vllm_chunked_kv.ops.kernels import triton_attention
+    from vllm_chunked_kv.ops.plans.step_plan import StepPlan
 
     cfg = ChunkedKVConfig(**settings)
     plan = StepPlan(cfg=cfg, raw_writes=None, writes=None, key_sets=[])

@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.triton_pool's `write_chunks` in isolation
+"""Contract of vllm_chunked_kv.ops.kernels.triton_pool's `write_chunks` in isolation
 (its use inside whole schedules is covered by test_triton_attention.py).
 
 Under Triton's CPU interpreter: a step's chunk writes equal
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed
-from vllm_chunked_kv.ops.step_plan import ChunkWrites
+from vllm_chunked_kv.ops.kernels import compressed
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
 HEAD_D, HEAD_DV, NUM_KV_HEADS = 16, 8, 2
 
@@ -54,7 +54,7 @@ def test_write_chunks_equals_torch(triton_ops, settings, dtype):
     compressed.write_chunks(want, raw, step_rows, writes, cfg, HEAD_D)
     got = torch.full_like(want, float("nan"))
     got = triton_ops.schedule.call_returning(  # the cache comes back from the worker
-        "vllm_chunked_kv.ops.triton_pool", "write_chunks", got, raw, step_rows, writes, cfg, HEAD_D)[0]
+        "vllm_chunked_kv.ops.kernels.triton_pool", "write_chunks", got, raw, step_rows, writes, cfg, HEAD_D)[0]
     written = want.isfinite()
     assert written.sum() == 11 * (3 if cfg.keep_boundary else 1) * (HEAD_D + HEAD_DV)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of an fp32 sum in another order
@@ -62,7 +62,7 @@ def test_write_chunks_equals_torch(triton_ops, settings, dtype):
 
 
 def test_write_chunks_compiles_for_a_gpu(compile_for_gpu):
-    from vllm_chunked_kv.ops import triton_pool
+    from vllm_chunked_kv.ops.kernels import triton_pool
 
     cfg = ChunkedKVConfig(chunk_size=4, window=16, pooling="key_norm", mitigation="boundary")
     pointers = {"step_ptr": "*bf16", "raw_ptr": "*bf16", "comp_ptr": "*bf16", "gains_ptr": "*fp32"}

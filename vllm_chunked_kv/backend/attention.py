@@ -42,8 +42,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
-from vllm_chunked_kv.ops.step_plan import PagedBatch, StepPlan, build_plan
+from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
+from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan, build_plan
 from vllm_chunked_kv.backend.raw_cache import PagedRows, attach_raw_pages
 from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings
 

@@ -49,6 +49,6 @@ def _details(impl: str, reasons: list[str]) -> str:
     kernels, which instruction set runs and how they were built."""
     if impl != "cpp" or reasons:
         return ""
-    from vllm_chunked_kv.ops import cpu_ext
+    from vllm_chunked_kv.ops.kernels import cpu_ext
 
     return f" ({cpu_ext.describe()})"

@@ -16,7 +16,7 @@ Triton kernels, the C++ CPU kernels (`cpu_ext.py`), or the PyTorch path
   ``DECODE+PREFILL`` of two kernels, forces one (an error, with the
   reasons, if it cannot run); ``auto`` or unset picks.
 - `ops(impl)` returns the implementation's three step ops, with the
-  signatures of `compressed.write_raw`, `compressed.write_chunks` and
+  signatures of `shared.write_raw`, `compressed.write_chunks` and
   `compressed.attend`; only the PyTorch `attend` reads the plan's dense
   bias (`needs_bias`).
 
@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_chunked_kv.ops import compressed, dynamic_writes
-from vllm_chunked_kv.ops.step_plan import StepPlan
+from vllm_chunked_kv.ops.kernels import compressed, shared, unit_writes
+from vllm_chunked_kv.ops.plans.step_plan import StepPlan
 
 IMPLS = ("cuda", "triton", "cpp", "torch")
 IMPL_ENV = "CHUNKED_KV_IMPL"
@@ -90,10 +90,10 @@ _EXTENSION_DEVICE = {"cuda": ("cuda", "the CUDA extension needs a CUDA device"),
 def _extension(impl: str):
     """The module of an extension implementation (imported on demand)."""
     if impl == "cuda":
-        from vllm_chunked_kv.ops import cuda_ext
+        from vllm_chunked_kv.ops.kernels import cuda_ext
 
         return cuda_ext
-    from vllm_chunked_kv.ops import cpu_ext
+    from vllm_chunked_kv.ops.kernels import cpu_ext
 
     return cpu_ext
 
@@ -115,7 +115,7 @@ def _triton_reasons(device: torch.device) -> list[str]:
 
     if not isinstance(tl.sum, InterpretedFunction):  # importing vLLM imports triton, for one
         return ["TRITON_INTERPRET=1 was set after triton was imported (set it before anything imports triton)"]
-    from vllm_chunked_kv.ops import triton_attention
+    from vllm_chunked_kv.ops.kernels import triton_attention
 
     if not triton_attention.INTERPRETED:
         return ["TRITON_INTERPRET=1 was set after the Triton kernels were imported (set it before importing them)"]
@@ -171,7 +171,7 @@ def _detail(choice: str, why: str) -> str:
     and build, and why the implementations before it were passed over."""
     parts = []
     if "cpp" in choice.split("+"):
-        from vllm_chunked_kv.ops import cpu_ext
+        from vllm_chunked_kv.ops.kernels import cpu_ext
 
         parts.append(cpu_ext.describe())
     if why:
@@ -208,33 +208,33 @@ def ops(impl: str) -> Ops:
         decode, prefill = (ops(part) for part in impl.split("+"))
         return Ops(impl, decode.write_raw, decode.write_chunks, split_attend(decode.attend, prefill.attend))
     if impl == "torch":
-        return Ops("torch", compressed.write_raw, with_unit_writes(compressed.write_chunks), compressed.attend)
+        return Ops("torch", shared.write_raw, with_unit_writes(compressed.write_chunks), compressed.attend)
     if impl == "cuda":
-        from vllm_chunked_kv.ops import cuda_ext
+        from vllm_chunked_kv.ops.kernels import cuda_ext
 
-        return Ops("cuda", compressed.write_raw, with_unit_writes(cuda_ext.write_chunks), cuda_ext.attend)
+        return Ops("cuda", shared.write_raw, with_unit_writes(cuda_ext.write_chunks), cuda_ext.attend)
     if impl == "cpp":
-        from vllm_chunked_kv.ops import cpu_ext
+        from vllm_chunked_kv.ops.kernels import cpu_ext
 
         return Ops("cpp", cpu_ext.write_raw, with_unit_writes(cpu_ext.write_chunks), cpu_ext.attend)
     if impl == "triton":
-        from vllm_chunked_kv.ops import triton_attention, triton_pool
+        from vllm_chunked_kv.ops.kernels import triton_attention, triton_pool
 
-        return Ops("triton", compressed.write_raw, with_unit_writes(triton_pool.write_chunks),
+        return Ops("triton", shared.write_raw, with_unit_writes(triton_pool.write_chunks),
                    triton_attention.attend)
     raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")
 
 
 def with_unit_writes(write_chunks: Callable) -> Callable:
     """An implementation's `write_chunks`, or with dynamic boundaries the unit
-    writes of `dynamic_writes.py` (one PyTorch path for every implementation:
+    writes of `kernels/unit_writes.py` (one PyTorch path for every implementation:
     a few rows per step; the attention kernels read the unit slots as they
     read any grid)."""
 
     @functools.wraps(write_chunks)  # `__wrapped__`: the implementation's own
     def write(comp_cache, raw_cache, step_rows, writes, cfg, head_size):
         if writes.dynamic is not None:
-            dynamic_writes.write(comp_cache, raw_cache, step_rows, writes.dynamic, cfg, head_size)
+            unit_writes.write(comp_cache, raw_cache, step_rows, writes.dynamic, cfg, head_size)
         else:
             write_chunks(comp_cache, raw_cache, step_rows, writes, cfg, head_size)
 

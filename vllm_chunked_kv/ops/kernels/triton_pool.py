@@ -7,7 +7,7 @@ pages, and stores the pooled row (and, with boundary retention, the chunk's
 first and last raw rows) at its compressed slots (`core/layout.py`).
 
 Every pooling mode is one code path: fixed gains (``mean``, ``gated``) come
-from `compressed.fixed_gains` as a small tensor, ``key_norm`` is a softmax of
+from `shared.fixed_gains` as a small tensor, ``key_norm`` is a softmax of
 the keys' L2 norms over the pooled slots; ``keep_boundary`` only narrows the
 pooled slots to ``[1, chunk_size - 1)``.
 """
@@ -20,8 +20,8 @@ import triton.language as tl
 
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed
-from vllm_chunked_kv.ops.step_plan import ChunkWrites
+from vllm_chunked_kv.ops.kernels import shared
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
 # A finite "minus infinity": masked slots get weight exp(-1e30 - max) == 0
 # without the NaN that exp(-inf - -inf) gives on a fully masked row.
@@ -163,7 +163,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     """`compressed.write_chunks` in one launch: pool the chunks completed in
     this step into their compressed slots (caches ``[num_blocks, Hkv, rows,
     Dk + Dv]``, last dim contiguous; step_rows ``[n, Hkv, Dk + Dv]``)."""
-    compressed.zero_unused_slots(comp_cache, writes)
+    shared.zero_unused_slots(comp_cache, writes)
     num = writes.heads.numel()
     if not num:
         return
@@ -173,7 +173,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     head_dv = comp_cache.shape[-1] - head_size
     contiguous = lambda t: t.contiguous()  # noqa: E731  [M, chunk_size] / [M, spg] index tables
     _chunked_kv_write_chunks_kernel[(triton.cdiv(num, block_chunks),)](
-        step_rows, raw_cache, comp_cache, compressed.step_gains(writes, cfg, comp_cache.device), contiguous(writes.heads),
+        step_rows, raw_cache, comp_cache, shared.step_gains(writes, cfg, comp_cache.device), contiguous(writes.heads),
         contiguous(writes.src_blocks), contiguous(writes.src_offsets), contiguous(writes.src_step),
         contiguous(writes.dst_blocks), contiguous(writes.dst_offsets),
         num,

@@ -36,12 +36,12 @@ from types import ModuleType
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, cuda_ext, jit
-from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan, derived
+from vllm_chunked_kv.ops.kernels import jit, shared
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan, derived
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CPP"
 ISA_ENV = "CHUNKED_KV_CPU_ISA"
-SOURCES_DIR: Path = cuda_ext.SOURCES_DIR  # csrc/ of a checkout, or the copy a wheel installs
+SOURCES_DIR: Path = jit.SOURCES_DIR
 SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_kv_cpu_avx512.cpp",
            "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
 HEADERS = ("chunked_kv_cpu.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_cpu_simd.h",
@@ -138,7 +138,7 @@ def _step_rows(step_rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tenso
 
 
 def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-    """`compressed.write_raw` in one call (no tensor ops per layer)."""
+    """`shared.write_raw` in one call (no tensor ops per layer)."""
     _module().write_raw(raw_cache, _rows(step_rows, raw_cache.dtype), slots.long(), tokens.contiguous())
 
 
@@ -158,7 +158,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
                 c(writes.zero_offsets))
 
     args = derived(writes, "cpp", tables)
-    gains = compressed.step_gains(writes, cfg, comp_cache.device)
+    gains = shared.step_gains(writes, cfg, comp_cache.device)
     _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype), gains, *args,
                            head_size, slots.start, slots.stop, cfg.pooling == "key_norm")
 
@@ -176,7 +176,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     ``block_m``: queries per tile of a multi-token request (None: 128 query
     rows)."""
     module = _module()
-    out, group = compressed.attend_output(query, raw_cache, out)
+    out, group = shared.attend_output(query, raw_cache, out)
     n, num_heads, head_dv = out.shape
     if n == 0:
         return out
@@ -191,11 +191,11 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
     q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
-    key_args, shared = derived(plan, ("cpp", scale), lambda: compressed.kernel_args(plan, scale, page_tables=True))
+    key_args, grid_args = derived(plan, ("cpp", scale), lambda: shared.kernel_args(plan, scale, page_tables=True))
     sink_logits = NO_SINKS if sinks is None else sinks.to(torch.float32).contiguous()  # [Hq]
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      *args, *shared, tile, splits, float(softcap), sink_logits, int(lookback))
+                      *args, *grid_args, tile, splits, float(softcap), sink_logits, int(lookback))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -30,8 +30,8 @@ import torch
 
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import constants
-from vllm_chunked_kv.ops.step_plan import (NULL_PAGE, ChunkWrites, KeySet, PagedBatch, StepPlan, build_plan,
+from vllm_chunked_kv.ops.plans import constants
+from vllm_chunked_kv.ops.plans.step_plan import (NULL_PAGE, ChunkWrites, KeySet, PagedBatch, StepPlan, build_plan,
                                            visibility_bias)
 
 
@@ -210,7 +210,7 @@ def _native_module(device: torch.device, bias: bool, native: bool | None):
     """The C++ extension when it builds this plan (see `build_decode_plan`), else None."""
     if bias or device.type != "cpu" or native is False:
         return None
-    from vllm_chunked_kv.ops import cpu_ext
+    from vllm_chunked_kv.ops.kernels import cpu_ext
 
     module = cpu_ext.load() if native else cpu_ext.loaded()
     if native and module is None:

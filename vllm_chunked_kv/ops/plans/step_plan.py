@@ -34,8 +34,8 @@ import torch
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.grid import SlotKind
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import dynamic_writes
-from vllm_chunked_kv.ops.dynamic_writes import DynamicWrites
+from vllm_chunked_kv.ops.plans import dynamic_writes
+from vllm_chunked_kv.ops.plans.dynamic_writes import DynamicWrites
 
 NULL_PAGE = 0  # vLLM's null block: the first block of its pool, what never-stored pages map to
 
@@ -65,7 +65,7 @@ class PagedBatch:
     def row_sources(self, req: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Where the rows at `positions` ``[M, R]`` of requests `req` ``[M]`` are: raw page and
         offset (``[M, R]`` each), and token index in this step, -1 if stored before it
-        (``[M, R]``, `rows.gather_rows`)."""
+        (``[M, R]``, `kernels.shared.gather_rows`)."""
         long = dict(dtype=torch.long, device=positions.device)
         firsts = torch.tensor([self.first_position(r) for r in range(len(self.seq_lens))], **long)[req, None]
         starts = torch.tensor(self.query_start[:-1], **long)[req, None]  # [M, 1] first query token

@@ -10,9 +10,25 @@ and either way the module stays None for the rest of the process.
 
 from __future__ import annotations
 
+import sysconfig
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
+
+INSTALLED_SOURCES = Path("share", "vllm-chunked-kv", "csrc")  # under the environment's prefix (pyproject data-files)
+
+
+def _sources_dir() -> Path:
+    """``csrc/`` of a source checkout, else the copy a wheel installs under
+    the environment's prefix."""
+    checkout = Path(__file__).resolve().parents[3] / "csrc"
+    if checkout.is_dir():
+        return checkout
+    return Path(sysconfig.get_path("data")) / INSTALLED_SOURCES
+
+
+SOURCES_DIR = _sources_dir()  # both extensions' sources: csrc/ of a checkout, or the copy a wheel installs
 
 
 def load_once(state: dict, blocker: Callable[[], str | None], build: Callable[[], ModuleType], what: str,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from vllm_chunked_kv.core import grid
-from vllm_chunked_kv.ops.step_plan import KeySet, StepPlan
+from vllm_chunked_kv.ops.plans.step_plan import KeySet, StepPlan
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 

@@ -35,32 +35,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sysconfig
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import compressed, jit
-from vllm_chunked_kv.ops.step_plan import ChunkWrites, KeySet, StepPlan
+from vllm_chunked_kv.ops.kernels import jit, shared
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
 
 
-INSTALLED_SOURCES = Path("share", "vllm-chunked-kv", "csrc")  # under the environment's prefix (pyproject data-files)
-
-
-def _sources_dir() -> Path:
-    """``csrc/`` of a source checkout, else the copy a wheel installs under
-    the environment's prefix."""
-    checkout = Path(__file__).resolve().parents[2] / "csrc"
-    if checkout.is_dir():
-        return checkout
-    return Path(sysconfig.get_path("data")) / INSTALLED_SOURCES
-
-
-SOURCES_DIR = _sources_dir()
+SOURCES_DIR = jit.SOURCES_DIR
 SOURCES = ("chunked_kv_write.cu", "chunked_kv_attention.cu", "chunked_kv_ext.cpp")
 HEADERS = ("chunked_kv.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_common.cuh", "cpu_emulation.h")
 MAX_TILE_ROWS = 32  # csrc/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
@@ -160,13 +147,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int) -> None:
     """`compressed.write_chunks` in one launch (one block per chunk)."""
-    compressed.zero_unused_slots(comp_cache, writes)
+    shared.zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
     module = _module()
     slots = cfg.pooled_slots
     key_norm = cfg.pooling == "key_norm"
-    gains = compressed.step_gains(writes, cfg, comp_cache.device)
+    gains = shared.step_gains(writes, cfg, comp_cache.device)
     c = torch.Tensor.contiguous
     module.write_chunks(comp_cache, raw_cache, _rows(step_rows), gains, c(writes.heads), c(writes.src_blocks),
                         c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),
@@ -184,7 +171,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     enough to fill the device). ``block_m``: queries per tile of a
     multi-token request (None: up to 32 query rows, as shared memory allows)."""
     module = _module()
-    out, group = compressed.attend_output(query, raw_cache, out)
+    out, group = shared.attend_output(query, raw_cache, out)
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
     if n == 0:
@@ -202,10 +189,10 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32, device=query.device)
-    key_args, shared = compressed.kernel_args(plan, scale)
+    key_args, grid_args = shared.kernel_args(plan, scale)
     sink_logits = query.new_empty(0) if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
     for (_, tile), args in zip(tiles, key_args):
-        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *shared,
+        module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *grid_args,
                       tile, splits, float(softcap), sink_logits.contiguous(), int(lookback))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
