@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_chunked_kv.demo import DEFAULT_MODEL_DIR, DEFAULT_STAGGER_MODEL_DIR
 from vllm_chunked_kv.demo.modes import MITIGATION_MODES, rows_per_token
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "model"
-DEFAULT_STAGGER_MODEL_DIR = Path(__file__).parent / "model_stagger"
 PHASES = 4  # the demo's chunk size: phase = position mod 4
 OFFSETS = 8  # the period search looks at position mod 8 (periods 2..4 repeat at least twice)
 MODES: dict[str, dict | None] = {

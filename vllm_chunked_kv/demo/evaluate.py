@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.demo import DEFAULT_MODEL_DIR
 from vllm_chunked_kv.hf.attention import chunked_attention
 from vllm_chunked_kv.scan.stats import Comparison, compare_groups, wilson
 from vllm_chunked_kv.tasks.kv_retrieval import VOCAB, KVPrompt, is_correct, make_prompt, needle_positions_by_phase
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "model"
 # Needle positions of the sweep: past the sinks, and sealed (older than the
 # raw window of 32 before the query) in the default 243-token prompt.
 NEEDLE_RANGE = (8, 200)
