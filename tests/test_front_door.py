@@ -3,7 +3,8 @@
 - at most 130 lines;
 - its Limitations section names everything the backend refuses: each
   refusal is read from the code that raises it (`backend/attention.py`,
-  `backend/startup_checks.py`) and must appear in that section;
+  `backend/startup_checks.py`), the Mistral-style one (every layer slides,
+  nothing left to compress) included, and must appear in that section;
 - it names the fast tier and the full suite, and `.ci/run` runs the full
   suite (no marker selection);
 - the shipped adapter's perplexity figure (its card's `served.json`) stands
@@ -39,6 +40,7 @@ def refusals() -> set[str]:
         found |= {m.split(" {")[0] for m in re.findall(r'"([^"]+?) (?:is|are) not supported', source)}
         found |= set(re.findall(r"not supported with ([^:\"]+)", source))
         found |= set(re.findall(r"the model uses (?:its own )?([a-z ]+?)[;(\"]", source))
+        found |= set(re.findall(r'"(every layer of the model [a-z ]+?) ?[;(:"]', source))  # Mistral-style
     return {name.strip() for name in found if name.strip()}
 
 
@@ -54,6 +56,7 @@ def test_readme_is_short():
 def test_limitations_name_every_refusal():
     names = refusals()
     assert len(names) >= 12, names  # the extraction itself still finds the refusals
+    assert any(name.startswith("every layer") and "sliding window" in name for name in names), names
     section = _plain(limitations())
     missing = sorted(name for name in names if _plain(name) not in section)
     assert not missing, f"README Limitations does not name: {missing}"
