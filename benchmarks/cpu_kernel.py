@@ -80,7 +80,7 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
     def make_plan(on_device: bool):
         if on_device:  # what the backend builds for a uniform decode batch with the C++ kernels
             return build_decode_plan(seq_lens, paged.block_table, paged.block_size, paged.raw_block_table,
-                                     paged.raw_block_size, cfg, origins, bias=ops.needs_bias)
+                                     paged.raw_block_size, cfg, origins, bias=ops.needs_bias, native=ops.native_plans)
         return build_plan(paged, cfg, origins, bias=ops.needs_bias)
 
     python_plans, plans, steps = [], [], []

@@ -108,7 +108,7 @@ class Stack:
     def plan(self, seq_lens: torch.Tensor, origins: tuple[int, ...], bias: bool):
         """The device-side decode plan (tensor ops, as on a GPU)."""
         return build_decode_plan(seq_lens, self.block_table, self.block_size, self.raw_table, self.raw_block_size,
-                                 self.cfg, list(origins), bias=bias, native=False)
+                                 self.cfg, list(origins), bias=bias)
 
     def raw_slots(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """[b] raw slot of each request's new row (position seq_len - 1), on the device."""

@@ -4,8 +4,8 @@ For each backend a fresh in-process engine (its own interpreter) serves
 `--prompts` requests of `--input` tokens, `--output` tokens each, at most
 `--batch` at once. Every model step is timed (`execute_model`), and inside
 it the attention layers' forward; for CHUNKED_KV also its parts, summed over
-the layers: the step plan (`ChunkedKVMetadata.plan`, once per set of grid
-origins), `write_raw`, `write_chunks` and `attend`. Steps are split into
+the layers: the step plan (`plan_step`, made by the metadata builder once
+per set of grid origins, before the layers run), `write_raw`, `write_chunks` and `attend`. Steps are split into
 decode steps (every scheduled request computes one token) and mixed steps
 (a prefill piece among them); each column is the median over those steps,
 in ms. ``attn GB/s`` is the attention's KV bytes per decode step over its
@@ -78,19 +78,19 @@ def worker(spec: dict) -> dict:
         from vllm_chunked_kv.ops import dispatch
 
         attention.ChunkedKVImpl.forward = _timed(current, "attention", attention.ChunkedKVImpl.forward)
-        plan = attention.ChunkedKVMetadata.plan
+        plan_step = attention.plan_step
 
-        def counted_plan(self, *args, **kwargs):
-            built = plan(self, *args, **kwargs)
-            if self.device_seq_lens is not None:  # a decode step
+        def counted_plan(*args, **kwargs):
+            built = plan_step(*args, **kwargs)
+            if kwargs.get("device_seq_lens") is not None:  # a decode step
                 keys = built.key_sets[0]
                 rows_per_layer.append(int(keys.num_raw.sum()) + int(keys.num_slots.sum()) + keys.query_index.numel())
             return built
 
-        attention.ChunkedKVMetadata.plan = _timed(current, "plan", counted_plan)
+        attention.plan_step = _timed(current, "plan", counted_plan)
         ops = dispatch.ops(dispatch.choose("cpu"))
         dispatch.ops = lambda impl: dispatch.Ops(ops.name, *(_timed(current, part, getattr(ops, part))
-                                                               for part in PARTS[1:]))
+                                                               for part in PARTS[1:]), ops.native_plans)
     else:
         from vllm.v1.attention.backends import cpu_attn
 

@@ -10,6 +10,9 @@
   pyproject.toml; the scanner's, demo's and model tools' packages are extras;
 - loading the plugin the way vLLM does (register, then the metrics and
   feedback entry points) imports no tool;
+- inside `ops/`, floors too: the math (`reference`, `masked`) -> `plans/`
+  -> `kernels/` -> `dispatch`; a kernel module imports no other kernel
+  module but `shared` (the helpers they share) and `jit` (the build);
 - the package root holds only `__init__.py`; no import circle between the
   package's modules; no module over 400 lines.
 """
@@ -34,6 +37,9 @@ FLOORS = {
     "commands": 7,
 }
 SERVING = ("core", "ops", "backend", "serving")
+# inside ops/: module or folder -> floor
+OPS_FLOORS = {"reference": 0, "masked": 0, "plans": 1, "kernels": 2, "dispatch": 3, "host_sync": 3}
+KERNEL_SHARED = {"shared", "jit"}
 FROM_VLLM = {"vllm", "torch", "triton", "fastapi"}
 
 
@@ -79,11 +85,36 @@ def test_no_import_goes_up_a_floor():
     assert not upward, "\n".join(upward)
 
 
+def ops_part(name: str) -> str | None:
+    """`vllm_chunked_kv.ops.kernels.cpu_ext` -> "kernels"; outside ops/ -> None."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["vllm_chunked_kv", "ops"] else None
+
+
+def test_ops_floors_and_kernels_apart():
+    found = {p.stem for p in (PACKAGE / "ops").glob("*.py")} | {p.name for p in (PACKAGE / "ops").iterdir() if p.is_dir()}
+    assert found - {"__init__", "__pycache__"} == set(OPS_FLOORS)
+    upward, crossed = [], []
+    for path in (PACKAGE / "ops").rglob("*.py"):
+        name = module_name(path)
+        here = ops_part(name)
+        for imported in imports(path):
+            there = ops_part(imported)
+            if here in OPS_FLOORS and there in OPS_FLOORS and OPS_FLOORS[there] > OPS_FLOORS[here]:
+                upward.append(f"{name} imports {imported}")
+            if here == there == "kernels" and path.stem != "__init__":
+                target = imported.split(".")[3] if len(imported.split(".")) > 3 else None
+                if target not in KERNEL_SHARED | {path.stem, None}:
+                    crossed.append(f"{name} imports {imported}")
+    assert not upward, "\n".join(upward)
+    assert not crossed, "\n".join(crossed)
+
+
 def test_serving_path_needs_only_the_core_dependencies():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {dep.split(">")[0].split("=")[0].split("[")[0].strip().replace("-", "_") for dep in project["dependencies"]}
     allowed = core | FROM_VLLM | {"pydantic_core", "vllm_chunked_kv"} | set(sys.stdlib_module_names)
-    paths = [PACKAGE / "__init__.py", *(p for floor in SERVING for p in (PACKAGE / floor).glob("*.py"))]
+    paths = [PACKAGE / "__init__.py", *(p for floor in SERVING for p in (PACKAGE / floor).rglob("*.py"))]
     for path in paths:
         third_party = {name.split(".")[0] for name in imports(path)} - allowed
         assert not third_party, f"{path.relative_to(ROOT)} imports {sorted(third_party)}"

@@ -26,16 +26,22 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport
 
 from tests.ops.test_decode_plan import SyncGuard
-from vllm_chunked_kv.backend.attention import ChunkedKVMetadataBuilder, decode_plan_on_device
-from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.backend import alignment
-from vllm_chunked_kv.ops.kernels import cpu_ext
+from vllm_chunked_kv.backend.attention import ChunkedKVMetadataBuilder, decode_plan_on_device
+from vllm_chunked_kv.backend.layer_grid import LayerGrid
+from vllm_chunked_kv.backend.raw_cache import RawPagesMetadata
+from vllm_chunked_kv.backend.step_link import StepLink
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import dispatch
 
 
 def _builder(device_plan: bool, cfg: ChunkedKVConfig | None = None) -> ChunkedKVMetadataBuilder:
     builder = ChunkedKVMetadataBuilder.__new__(ChunkedKVMetadataBuilder)  # no engine: only what build() reads
     builder.block_size, builder.device_decode_plan = 16, device_plan
     builder.config, builder.shift_buffer, builder.vllm_config = cfg or ChunkedKVConfig(), None, object()
+    builder.ops = dispatch.Ops("cpp", None, None, None)  # reads no bias; no native planner: tensor ops
+    builder.grids = {"layers.0.attn": LayerGrid((0, 2), builder.config, "layers.0.attn.chunked_kv_raw")}
+    builder.link = StepLink()
     return builder
 
 
@@ -61,16 +67,19 @@ def test_uniform_decode_waits_for_nothing(align, monkeypatch):
     builder = _builder(True, cfg)
     runner = _Runner([30, 7, 70])
     monkeypatch.setitem(alignment._runners, id(builder.vllm_config), runner)
-    metadata = builder.build(0, _common([40, 9, 77], [1, 1, 1]))
+    common = _common([40, 9, 77], [1, 1, 1])
+    metadata = builder.build(0, common)
     assert (metadata.grid_shifts is None) == (align == "none")
     if metadata.grid_shifts is not None:
         assert metadata.grid_shifts.tolist() == [2, 3, 2]  # prompt length mod hop
     assert metadata.device_seq_lens is not None and metadata.seq_lens == []
     assert metadata.block_table.shape == (3, 5)  # on CPU, the pages of the longest request: 77 tokens / 16
-    raw = types.SimpleNamespace(block_table=torch.arange(1, 25).view(3, 8).as_subclass(SyncGuard), block_size=16)
-    monkeypatch.setattr(cpu_ext, "loaded", lambda: None)  # the tensor-op plan, as on CUDA (not the C++ one)
-    plan = metadata.plan(cfg, (0, 2), raw, bias=False)
-    assert isinstance(plan.key_sets[0].num_slots, SyncGuard)
+    assert not metadata.layers  # planned once the raw pages' metadata of the same step is built
+    raw = RawPagesMetadata(block_table=torch.arange(1, 25).view(3, 8).as_subclass(SyncGuard),
+                           slot_mapping=torch.zeros(3, dtype=torch.long), block_size=16)
+    builder.link.raw_built(common, ["layers.0.attn.chunked_kv_raw"], raw)  # the tensor-op plan, as on CUDA
+    step = metadata.layers["layers.0.attn"]
+    assert step.raw is raw and isinstance(step.plan.key_sets[0].num_slots, SyncGuard)
 
 
 def test_mixed_batches_read_lengths_on_the_host():

@@ -1,4 +1,4 @@
-"""Contract of the KV-head index under tensor parallelism (backend.global_kv_heads).
+"""Contract of the KV-head index under tensor parallelism (backend.layer_grid.global_kv_heads).
 
 Staggered grid origins are defined per model-wide KV head (`h mod n`), so a
 rank must look them up by the global index of the heads it holds:
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_chunked_kv.backend.attention import global_kv_heads
+from vllm_chunked_kv.backend.layer_grid import global_kv_heads
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 
 

@@ -3,8 +3,10 @@ settings by `--attention-backend chunked_kv` alone (`registration`,
 `core/serve_file.py`): the startup log names the file and the settings it
 gave, and the greedy tokens of a prompt far past the window equal those of
 the explicit `--additional-config` form. An explicit section wins over the
-file, and the log says the file was not read. In-process engines, one per
-form."""
+file, and the log says the file was not read. The per-kind route
+(``--attention-config '{"backend_per_kind": {"full_attention": "CHUNKED_KV"}}'``)
+reads the file the same way and gives the same tokens. In-process engines,
+one per form."""
 
 from __future__ import annotations
 
@@ -56,6 +58,20 @@ def test_the_file_alone_serves_as_the_explicit_form(carrying_model, tiny_llama, 
     spelled = generate(str(tiny_llama), {"attention_backend": "chunked_kv", "additional_config": explicit}, [[prompt]])
     assert "Using CHUNKED_KV attention backend" in alone["log"]
     assert alone["outputs"] == spelled["outputs"]
+
+
+PER_KIND = {"attention_config": {"backend_per_kind": {"full_attention": "CHUNKED_KV"}}}
+
+
+def test_the_per_kind_route_reads_the_file_too(carrying_model, prompt):
+    alone = generate(str(carrying_model), {"attention_backend": "chunked_kv"}, [[prompt]])
+    per_kind = generate(str(carrying_model), PER_KIND, [[prompt]])
+    source = f'settings from {carrying_model / SERVE_FILE} (no "chunked_kv" section in --additional-config)'
+    logged = ChunkedKVConfig(**{k: v for k, v in _logged_settings(per_kind["log"], source).items()
+                                if k in ChunkedKVConfig.model_fields})
+    assert serve_settings(logged) == serve_settings(FILE_SETTINGS)
+    assert "Using CHUNKED_KV attention backend" in per_kind["log"]
+    assert per_kind["outputs"] == alone["outputs"]
 
 
 def test_an_explicit_section_wins_over_the_file(carrying_model, prompt):

@@ -1,7 +1,7 @@
 """Contract of `backend.startup_checks.check_engine_support` on settings
-it refuses without starting an engine: `align` with vLLM's micro-batching
-(the builder reads prompt lengths per whole batch) is one line naming the
-field; the same settings without micro-batching pass. Dynamic boundaries
+it refuses without starting an engine: vLLM's micro-batching (a step's plans
+join the metadata of two cache groups, built for the whole batch) is one
+line, with any settings; the same settings without micro-batching pass. Dynamic boundaries
 with a --block-size whose slot lag outlasts the window are refused in one
 line naming the window; their default block size passes."""
 
@@ -22,16 +22,17 @@ def _engine(use_ubatching: bool, block_size: int | None = 32) -> SimpleNamespace
                            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
 
 
-def test_align_with_micro_batching_is_refused_in_one_line():
+@pytest.mark.parametrize("align", ["none", "prompt_end"])
+def test_micro_batching_is_refused_in_one_line(align):
     with pytest.raises(ChunkedKVConfigError) as info:
-        check_engine_support(ChunkedKVConfig(align="prompt_end"), _engine(use_ubatching=True))
-    assert str(info.value).startswith("chunked_kv.align: is not supported with micro-batching")
+        check_engine_support(ChunkedKVConfig(align=align), _engine(use_ubatching=True))
+    assert str(info.value).startswith("chunked_kv: micro-batching (--enable-dbo) is not supported")
     assert "\n" not in str(info.value)
 
 
-def test_align_without_micro_batching_and_micro_batching_without_align_pass():
+def test_the_same_settings_without_micro_batching_pass():
     check_engine_support(ChunkedKVConfig(align="prompt_end"), _engine(use_ubatching=False))
-    check_engine_support(ChunkedKVConfig(), _engine(use_ubatching=True))
+    check_engine_support(ChunkedKVConfig(), _engine(use_ubatching=False))
 
 
 def test_dynamic_boundaries_with_a_block_beyond_the_window_are_refused_in_one_line():

@@ -3,7 +3,7 @@ same greedy tokens as one rank.
 
 The tiny Llama has 2 KV heads, so each rank holds one: with `stagger` the
 two ranks use different grid origins, which they must take from the
-model-wide head index (`backend.attention.global_kv_heads`). Prompts are longer than
+model-wide head index (`backend.layer_grid.global_kv_heads`). Prompts are longer than
 the window, so compressed rows are read. The CPU workers' threads are bound
 one core each (`VLLM_CPU_OMP_THREADS_BIND=a|b` with two cores this process
 may use; vLLM refuses to bind two workers on one NUMA node by itself)."""

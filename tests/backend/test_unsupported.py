@@ -4,7 +4,9 @@ why. Covered: a block size that cannot hold whole chunks, a window smaller
 than a chunk, a model with its own sliding window on every layer, KV connectors, the
 hybrid KV cache manager turned off, a quantised (fp8) KV cache, and
 speculative decoding, and settings outside their "chunked_kv" wrapper
-(which would otherwise run the defaults silently). A server selecting
+(which would otherwise run the defaults silently); speculative decoding
+again with CHUNKED_KV chosen through `backend_per_kind`, refused with the
+same line. A server selecting
 chunked_kv with no "chunked_kv" section logs the defaults it runs with,
 once."""
 
@@ -79,6 +81,20 @@ def test_unsupported_combination_is_one_line(case, failures):
     error_lines = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1, output[-3000:]
     assert CASES[case][1] in error_lines[0]
+
+
+PER_KIND = ["--attention-config", json.dumps({"backend_per_kind": {"full_attention": "CHUNKED_KV"}})]
+
+
+def test_the_per_kind_route_gets_the_same_checks(tiny_llama, failures):
+    """CHUNKED_KV chosen per KV-cache group kind, not by --attention-backend:
+    speculative decoding is refused with the very line of the other route."""
+    args = CASES["speculative decoding"][0]
+    proc = run_serve_expecting_failure(tiny_llama, PER_KIND + args)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    expected = [line for line in (failures["speculative decoding"].stdout + failures["speculative decoding"].stderr)
+                .splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and errors == expected and len(errors) == 1
 
 
 @pytest.mark.parametrize("case", [case for case, (args, _) in CASES.items() if "--additional-config" not in args])

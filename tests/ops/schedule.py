@@ -204,12 +204,13 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
         batch = pager.batch(steps)
         num_decodes = sum(hi - lo == 1 for _, lo, hi in steps)
         if decode_plan and 0 < num_decodes < len(steps):
-            plan = build_mixed_plan(batch, num_decodes, cfg, origins, bias=ops.needs_bias)
+            plan = build_mixed_plan(batch, num_decodes, cfg, origins, bias=ops.needs_bias, native=ops.native_plans)
             mixed_steps += 1
         elif decode_plan and num_decodes == len(steps):
             plan = build_decode_plan(torch.tensor(batch.seq_lens, device=device), batch.block_table, batch.block_size,
                                      batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=ops.needs_bias,
-                                     grid_shifts=torch.tensor(batch.grid_shifts, device=device))
+                                     grid_shifts=torch.tensor(batch.grid_shifts, device=device),
+                                     native=ops.native_plans)
         else:
             plan = build_plan(batch, cfg, origins, bias=ops.needs_bias)
         cat = lambda xs: torch.cat([xs[r][lo:hi] for r, lo, hi in steps]).to(device)  # noqa: E731

@@ -8,9 +8,9 @@ uniform decode batch is the Python plan of `step_plan.build_plan`.
   raw rows in the same order, the same number of visible slots and the same
   pages for them, with the dense bias (one entry per slot) and without it
   (the block table as it is, expanded by `KeySet.slot_tables`).
-- The C++ extension's plan (`native=True`) equals the tensor-op plan entry
-  for entry, and on CPU without a bias it is the one built once the
-  extension is loaded: one extension call per plan.
+- The C++ extension's plan (`native`: the loaded extension) equals the
+  tensor-op plan entry for entry, and on CPU without a bias it is built
+  in one extension call per plan.
 - Mixed steps (decodes first, then prefill pieces) planned by
   `build_mixed_plan` give the reference's outputs through the PyTorch path
   and the C++ kernels; it refuses decodes that do not come first.
@@ -30,7 +30,8 @@ import torch
 
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
+from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan
+from vllm_chunked_kv.ops.plans.policy import decode_plan_on_device
 from vllm_chunked_kv.ops.plans.step_plan import NULL_PAGE, build_plan
 
 from .schedule import CONFIGS, Pager, run_schedule
@@ -84,11 +85,11 @@ def test_equals_the_python_plan(name, bias, native):
         want = build_plan(batch, cfg, origins)
         got = build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table, batch.block_size,
                                 batch.raw_block_table, batch.raw_block_size, cfg, origins, bias=bias,
-                                grid_shifts=torch.tensor(batch.grid_shifts), native=native)
+                                grid_shifts=torch.tensor(batch.grid_shifts), native=_native() if native else None)
         if native:  # the C++ plan is the tensor-op plan, entry for entry (null-page placeholders included)
             _assert_same_plan(got, build_decode_plan(torch.tensor(batch.seq_lens), batch.block_table,
                                                      batch.block_size, batch.raw_block_table, batch.raw_block_size,
-                                                     cfg, origins, bias=False, native=False,
+                                                     cfg, origins, bias=False, native=None,
                                                      grid_shifts=torch.tensor(batch.grid_shifts)))
         if not bias:  # the kernels' form: the block table itself, no per-slot entries
             assert got.key_sets[0].comp_blocks is batch.block_table and got.key_sets[0].comp_offsets is None
@@ -100,6 +101,15 @@ def test_equals_the_python_plan(name, bias, native):
         assert _per_request(got_keys) == _per_request(want_keys)
         checked += bool(want.writes.heads.numel())
     assert checked > 0  # chunks were completed along the way
+
+
+def _native():
+    """The C++ extension, which builds decode plans in one call."""
+    from vllm_chunked_kv.ops.kernels import cpu_ext
+
+    module = cpu_ext.load()
+    assert module is not None, cpu_ext.unavailable_reasons()
+    return module
 
 
 def _assert_same_plan(got, want) -> None:
@@ -116,8 +126,8 @@ def _assert_same_plan(got, want) -> None:
 
 
 def test_cpu_plan_is_one_extension_call():
-    """On CPU without a bias the plan comes from the C++ extension once it is
-    loaded (`native=None`), one call per plan."""
+    """On CPU without a bias the plan comes from the C++ extension it is
+    given (`native`), one call per plan; with the bias, from tensor ops."""
     from vllm_chunked_kv.ops.kernels import cpu_ext
 
     module = cpu_ext.load()
@@ -126,11 +136,11 @@ def test_cpu_plan_is_one_extension_call():
     table = torch.arange(1, 4 * 10 + 1, dtype=torch.int32).view(4, 10)
     before = module.plan_calls()
     plan = build_decode_plan(torch.tensor([40, 1, 0, 77], dtype=torch.int32), table, 16, table, 12, cfg, [0, 1],
-                             bias=False)
+                             bias=False, native=module)
     assert module.plan_calls() == before + 1
     _assert_same_plan(plan, build_decode_plan(torch.tensor([40, 1, 0, 77]), table, 16, table, 12, cfg, [0, 1],
-                                              bias=False, native=False))
-    build_decode_plan(torch.tensor([40]), table[:1], 16, table[:1], 12, cfg, [0, 1], bias=True)
+                                              bias=False))
+    build_decode_plan(torch.tensor([40]), table[:1], 16, table[:1], 12, cfg, [0, 1], bias=True, native=module)
     assert module.plan_calls() == before + 1  # the PyTorch path's dense bias: tensor ops
 
 

@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.backend import BACKEND_NAME, compat, selected
+from vllm_chunked_kv.backend import BACKEND_NAME, compat, serves_some_layer
 
 SALT_PREFIX = "chunked_kv.align="  # cache_salt suffix naming the request's grid shift
 
@@ -78,8 +78,8 @@ def _prompt_length(request) -> int:
 
 
 def _engine_config(engine) -> ChunkedKVConfig | None:
-    """The engine's chunked_kv settings when chunked_kv is selected (read once per engine)."""
+    """The engine's chunked_kv settings when CHUNKED_KV serves some layer (read once per engine)."""
     if not hasattr(engine, "_chunked_kv_config"):
         vllm_config = engine.vllm_config
-        engine._chunked_kv_config = ChunkedKVConfig.from_vllm_config(vllm_config) if selected(vllm_config) else None
+        engine._chunked_kv_config = ChunkedKVConfig.from_vllm_config(vllm_config) if serves_some_layer(vllm_config) else None
     return engine._chunked_kv_config

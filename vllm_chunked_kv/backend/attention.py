@@ -3,13 +3,14 @@
 - `ChunkedKVBackend`: the capability sheet vLLM selects on; its
   `customize_spec` makes the layer's own pages compressed
   (``tokens_per_state``, see `core/layout.py`).
-- `ChunkedKVMetadata`: per-step request layout every layer reads, and the
-  step's index plan (built once per step from both cache groups).
-- `ChunkedKVMetadataBuilder`: turns vLLM's common metadata into ours.
-- `ChunkedKVImpl`: stores the step's raw rows, writes the chunks they
-  complete into the compressed pages, and computes attention, through the
-  implementation `ops/dispatch.py` picks for the device (CUDA, then
-  Triton, on a GPU; PyTorch, `ops/compressed.py`, elsewhere).
+- `ChunkedKVMetadata`: one step of a group's layers: request layout, the
+  chosen kernels, and each layer's ready plan.
+- `ChunkedKVMetadataBuilder`: chooses the kernels once (`ops/dispatch.py`)
+  and plans each step (`ops/plans/policy.py`), joining both cache groups
+  (`step_link.py`).
+- `ChunkedKVImpl`: `forward` stores the step's raw rows, writes the chunks
+  they complete into the compressed pages, and attends, with the kernels and
+  plan the metadata carries.
 
 Each layer has two caches, both ``[num_blocks, num_kv_heads, rows_per_page,
 head_size + head_size_v]`` (keys then values, vLLM's LBHNC layout): its own
@@ -25,7 +26,6 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -42,10 +42,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
 from vllm_chunked_kv.ops import dispatch
-from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan, decode_plan_on_device
-from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan, build_plan
-from vllm_chunked_kv.backend.raw_cache import PagedRows, attach_raw_pages
-from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings
+from vllm_chunked_kv.ops.plans.policy import decode_plan_on_device, plan_step
+from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan
+from vllm_chunked_kv.backend.raw_cache import PagedRows, RawPagesMetadata, attach_raw_pages
+from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings, step_link
+from vllm_chunked_kv.backend.layer_grid import layer_grids
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
 
@@ -136,8 +137,19 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
 
 
 @dataclass
+class LayerStep:
+    """What one layer's forward needs of the step, ready before it runs."""
+
+    plan: StepPlan  # the step's index plan for this layer's grid origins
+    raw: RawPagesMetadata  # the raw pages' block table and the new tokens' slots
+    cfg: ChunkedKVConfig  # the settings it pools with (`ChunkedKVConfig.for_layer`)
+
+
+@dataclass
 class ChunkedKVMetadata:
-    """Per-step request layout, shared by every layer of the group. A uniform
+    """One step of the group's layers: request layout, the kernels that run,
+    and per layer its plan (`layers`, filled by the builder as soon as the
+    raw pages' metadata of the same step is built, `step_link.py`). A uniform
     decode batch planned on the device keeps its sequence lengths there
     (`device_seq_lens`; `seq_lens` is then empty): building it waits for
     nothing, as CUDA graphs need."""
@@ -147,42 +159,27 @@ class ChunkedKVMetadata:
     seq_lens: list[int]  # [num_reqs] positions computed after this step
     block_table: torch.Tensor  # [num_reqs, max_blocks] compressed pages
     block_size: int  # tokens per compressed page
+    ops: dispatch.Ops  # the kernels chosen for this group
     device_seq_lens: torch.Tensor | None = None  # [num_reqs] when the decode plan is built on the device
     grid_shifts: torch.Tensor | None = None  # [num_reqs] each request's grid shift (`align`; None: none),
     # on the device with `device_seq_lens`, else on the host
     num_decodes: int = 0  # leading one-token requests planned as a uniform batch in a mixed step (0: none)
-    plans: dict = field(default_factory=dict)  # grid origins -> StepPlan of this step
-
-    def plan(self, cfg: ChunkedKVConfig, origins: tuple[int, ...], raw, bias: bool) -> StepPlan:
-        """The step's index plan for KV heads with these grid origins; `raw`
-        is the companion group's metadata of the same step; `bias`: whether
-        the attention implementation reads the dense bias."""
-        if origins not in self.plans:
-            if self.device_seq_lens is not None:
-                self.plans[origins] = build_decode_plan(self.device_seq_lens, self.block_table, self.block_size,
-                                                        raw.block_table, raw.block_size, cfg, list(origins), bias=bias,
-                                                        grid_shifts=self.grid_shifts)
-            else:
-                batch = PagedBatch(
-                    query_start=self.query_start, seq_lens=self.seq_lens, block_table=self.block_table,
-                    block_size=self.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
-                    grid_shifts=None if self.grid_shifts is None else self.grid_shifts.tolist(),
-                )
-                if self.num_decodes:
-                    self.plans[origins] = build_mixed_plan(batch, self.num_decodes, cfg, list(origins), bias=bias)
-                else:
-                    self.plans[origins] = build_plan(batch, cfg, list(origins), bias=bias)
-        return self.plans[origins]
+    layers: dict[str, LayerStep] = field(default_factory=dict)  # layer name -> its step
 
 
 class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
-    """Uniform decode batches (one token per request) are planned on the
-    device when `decode_plan_on_device` says so, and may then be captured in
-    CUDA graphs; on CPU the decodes of a mixed batch, which vLLM puts first
+    """Plans the step for every layer of the group: `build` reads vLLM's
+    common metadata, and the plans are made as soon as the raw pages'
+    metadata of the same step exists (`complete`, through `step_link`), one
+    per distinct grid and raw group, so `forward` only writes and attends.
+    The kernels are chosen here, once (`dispatch.choose`). Uniform decode
+    batches (one token per request) are planned on the device when
+    `decode_plan_on_device` says so, and may then be captured in CUDA
+    graphs; on CPU the decodes of a mixed batch, which vLLM puts first
     (`reorder_batch_threshold`), are planned the same way and only its
-    prefill pieces get the Python plan (`build_mixed_plan`). With `align`, each
-    request's grid shift comes from its prompt length (`alignment`), kept on
-    the device in a buffer of fixed address (what a captured graph reads)."""
+    prefill pieces get the Python plan (`plans/policy.py`). With `align`,
+    each request's grid shift comes from its prompt length (`alignment`),
+    kept on the device in a buffer of fixed address (what a captured graph reads)."""
 
     reorder_batch_threshold: ClassVar[int | None] = 1  # one-token requests first in every batch
 
@@ -197,9 +194,12 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         self.block_size = kv_cache_spec.block_size
         model = vllm_config.model_config
         group = model.get_num_attention_heads(vllm_config.parallel_config) // kv_cache_spec.num_kv_heads
-        impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)  # the layers' choice (cached)
+        impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)
+        self.ops = dispatch.ops(impl)
         self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
         self.device_decode_plan = decode_plan_on_device(device, impl, self.config)
+        self.grids = layer_grids(self.config, layer_names, kv_cache_spec.num_kv_heads, model.get_total_num_kv_heads())
+        self.link = step_link.link_for(vllm_config)
         self.shift_buffer = None  # [max_num_seqs] device copy of the grid shifts (`align`)
         if self.config.align != "none" and torch.device(device).type != "cpu":
             self.shift_buffer = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.long, device=device)
@@ -238,16 +238,46 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
             shifts = self.config.grid_shift(alignment.prompt_lengths(self.vllm_config, m.num_reqs))  # [num_reqs] host
             if uniform_decode and self.shift_buffer is not None:
                 shifts = self.shift_buffer[: m.num_reqs].copy_(shifts, non_blocking=True)
-        return ChunkedKVMetadata(
+        metadata = ChunkedKVMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start=query_start,
             seq_lens=[] if uniform_decode else m.seq_lens[: m.num_reqs].cpu().tolist(),
             block_table=block_table,
             block_size=self.block_size,
+            ops=self.ops,
             device_seq_lens=m.seq_lens[: m.num_reqs] if uniform_decode else None,
             grid_shifts=shifts,
             num_decodes=num_decodes,
         )
+        self.link.chunked_built(m, self, metadata)
+        return metadata
+
+    def complete(self, metadata: ChunkedKVMetadata, raw_by_layer: dict[str, RawPagesMetadata]) -> bool:
+        """Plan every layer of `metadata` once the raw pages' metadata of the
+        same step is in `raw_by_layer` (by companion name); whether it could.
+        Layers with the same grid and raw group share one plan."""
+        if any(grid.raw_name not in raw_by_layer for grid in self.grids.values()):
+            return False
+        plans: dict[tuple, StepPlan] = {}
+        for name, grid in self.grids.items():
+            raw = raw_by_layer[grid.raw_name]
+            key = (grid.origins, id(raw))
+            if key not in plans:
+                plans[key] = self._plan(metadata, raw, grid.origins)
+            metadata.layers[name] = LayerStep(plans[key], raw, grid.cfg)
+        return True
+
+    def _plan(self, metadata: ChunkedKVMetadata, raw: RawPagesMetadata, origins: tuple[int, ...]) -> StepPlan:
+        on_device = metadata.device_seq_lens is not None
+        shifts = metadata.grid_shifts
+        batch = PagedBatch(
+            query_start=metadata.query_start, seq_lens=metadata.seq_lens, block_table=metadata.block_table,
+            block_size=metadata.block_size, raw_block_table=raw.block_table, raw_block_size=raw.block_size,
+            grid_shifts=None if shifts is None or on_device else shifts.tolist(),
+        )
+        return plan_step(batch, self.config, list(origins), bias=metadata.ops.needs_bias,
+                         device_seq_lens=metadata.device_seq_lens, device_shifts=shifts if on_device else None,
+                         num_decodes=metadata.num_decodes, native=metadata.ops.native_plans)
 
 
 class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
@@ -290,11 +320,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         settings.remember(self.config)
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._static_forward_context = vllm_config.compilation_config.static_forward_context
-        self._layer_cache: tuple[tuple[int, ...], ChunkedKVConfig] | None = None
         self._raw_pages = None
-        device = vllm_config.device_config.device if vllm_config.device_config is not None else None
-        impl = dispatch.choose(device, head_size=head_size, group=num_heads // num_kv_heads)
-        self.ops = dispatch.ops(impl)
         logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -303,21 +329,6 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         if self._raw_pages is None:
             keep = layout.model_forever_raw(self.config, self._total_kv_heads)
             self._raw_pages = attach_raw_pages(self, self.config, keep, self._static_forward_context)
-
-    def _layer_settings(self, layer) -> tuple[tuple[int, ...], ChunkedKVConfig]:
-        """This layer's grid origin of each local KV head (global head index
-        under TP) and the settings it pools with (`ChunkedKVConfig.for_layer`:
-        its own slot gains when they are per layer)."""
-        if self._layer_cache is None:
-            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            layer_idx = extract_layer_index(layer.layer_name)
-            all_origins = self.config.origins(layer_idx, self._total_kv_heads)
-            heads = global_kv_heads(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                                    self.num_kv_heads, self._total_kv_heads)
-            self._layer_cache = tuple(all_origins[h] for h in heads), self.config.for_layer(layer_idx)
-        return self._layer_cache
 
     def forward(
         self,
@@ -340,32 +351,18 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         key = key[:n].view(n, self.num_kv_heads, self.head_size)  # [n, Hkv, D]
         value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
         step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, D + Dv]
-        raw_pages = self._raw_pages
-        raw = _step_metadata(raw_pages.layer_name)
-        ops = self.ops
-        origins, layer_cfg = self._layer_settings(layer)
-        plan = attn_metadata.plan(self.config, origins, raw, ops.needs_bias)
-        ops.write_raw(raw_pages.kv_cache, step_rows, raw.slot_mapping[:n], plan.raw_writes)
-        ops.write_chunks(kv_cache, raw_pages.kv_cache, step_rows, plan.writes, layer_cfg, self.head_size)
+        step = attn_metadata.layers.get(layer.layer_name)
+        if step is None:
+            raise RuntimeError(f"{BACKEND_NAME}: {layer.layer_name} has no plan for this step: the metadata of its "
+                               "raw pages' cache group was not built in the same step (backend/step_link.py)")
+        ops, raw_cache = attn_metadata.ops, self._raw_pages.kv_cache
+        ops.write_raw(raw_cache, step_rows, step.raw.slot_mapping[:n], step.plan.raw_writes)
+        ops.write_chunks(kv_cache, raw_cache, step_rows, step.plan.writes, step.cfg, self.head_size)
         out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
         if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
             out = None
-        result = ops.attend(query, step_rows, kv_cache, raw_pages.kv_cache, plan, self.scale, out=out,
+        result = ops.attend(query, step_rows, kv_cache, raw_cache, step.plan, self.scale, out=out,
                             softcap=self.logits_soft_cap, sinks=self.sinks, lookback=self.lookback)
         if result is not out:
             output[:n].view_as(result).copy_(result)
         return output
-
-
-def global_kv_heads(rank: int, world: int, local: int, total: int) -> list[int]:
-    """Model-wide index of each KV head a tensor-parallel rank holds: a slice of
-    `local` heads when the heads split across ranks, else (fewer heads than
-    ranks) the one head vLLM replicates on `world / total` consecutive ranks."""
-    if total >= world:
-        return [rank * local + h for h in range(local)]
-    return [rank * total // world]
-
-
-def _step_metadata(layer_name: str):
-    """This step's metadata of another layer (the companion's cache group)."""
-    return get_forward_context().attn_metadata[layer_name]

@@ -34,7 +34,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec
 
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.backend import settings
+from vllm_chunked_kv.backend import settings, step_link
 from vllm_chunked_kv.backend.raw_window import RawWindowSpec
 
 SUFFIX = ".chunked_kv_raw"
@@ -61,11 +61,13 @@ class RawPagesMetadataBuilder(AttentionMetadataBuilder[RawPagesMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RawPagesMetadata:
         m = common_attn_metadata
-        return RawPagesMetadata(
+        metadata = RawPagesMetadata(
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             block_size=self.spec.block_size,
         )
+        step_link.link_for(self.vllm_config).raw_built(m, self.layer_names, metadata)  # the plans wait for it
+        return metadata
 
 
 class PagedRows:

@@ -6,10 +6,13 @@ Five things, all idempotent:
 2. make that dynamically added member picklable: the engine process is
    spawned and unpickles the config before it has loaded plugins, so the
    member reduces to a call that registers the plugin and looks it up by name;
-3. when vLLM builds its config, take the model directory's
+3. when vLLM builds its config and CHUNKED_KV serves some layer of the
+   model, by whichever route (`serves_some_layer`: `--attention-backend`
+   or `backend_per_kind`), take the model directory's
    `chunked_kv_serve.json` if `--additional-config` has no "chunked_kv"
    section, log where the settings came from, and validate them, so a bad
-   value stops startup with one line (`startup_checks`);
+   value stops startup with one line (`startup_checks`); a serve file that
+   no route honours is named in one line;
 4. route an explicit CHUNKED_KV selection per layer: a layer with the
    model's own sliding window gets the platform's default backend (it keeps
    exactly its window, in vLLM's sliding-window pages: docs/design.md,
@@ -27,7 +30,9 @@ vLLM is not the release this package was tested with.
 
 from __future__ import annotations
 
-from vllm_chunked_kv.backend import BACKEND_NAME, BACKEND_PATH, alignment, compat, selected
+from pathlib import Path
+
+from vllm_chunked_kv.backend import BACKEND_NAME, BACKEND_PATH, alignment, compat, serves_some_layer
 
 
 def _lookup_member(name: str):
@@ -112,6 +117,20 @@ def _take_serve_file(vllm_config) -> str:
     return source
 
 
+def _log_unused_serve_file(vllm_config) -> None:
+    """One line when the model directory carries a serve file but no route gives CHUNKED_KV a layer."""
+    from vllm_chunked_kv.core.serve_file import SERVE_FILE
+
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    path = Path(str(model)) / SERVE_FILE if model else None
+    if path is not None and path.is_file():
+        from vllm.logger import init_logger
+
+        init_logger("vllm.chunked_kv.config").info_once(
+            "chunked_kv: %s is not read: no layer runs on CHUNKED_KV (add --attention-backend chunked_kv "
+            "to serve the model as it was trained)", path)
+
+
 def _log_settings_once(source: str, cfg) -> None:
     import json
 
@@ -129,7 +148,9 @@ def _validate_config_at_startup() -> None:
     def make(original):
         def check_and_update_config(cls, vllm_config) -> None:
             original(cls, vllm_config)
-            if selected(vllm_config):
+            if not serves_some_layer(vllm_config):
+                _log_unused_serve_file(vllm_config)
+            else:
                 from vllm_chunked_kv.core.config import ChunkedKVConfig
                 from vllm_chunked_kv.backend.startup_checks import check_engine_support
 

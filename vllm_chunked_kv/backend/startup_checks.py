@@ -64,10 +64,10 @@ def _check_paging(cfg: ChunkedKVConfig, vllm_config, cache_config) -> None:
             "sliding-window KV cache group of its own, next to the compressed pages"
         )
     parallel_config = getattr(vllm_config, "parallel_config", None)
-    if cfg.align != "none" and getattr(parallel_config, "use_ubatching", False):
+    if getattr(parallel_config, "use_ubatching", False):
         raise ChunkedKVConfigError(
-            "align", "is not supported with micro-batching (--enable-dbo): the prompt lengths are read per "
-            "whole batch (docs/design.md §10)"
+            None, "micro-batching (--enable-dbo) is not supported: a step's plans join the metadata of two "
+            "cache groups, built for the whole batch (backend/step_link.py)"
         )
     model_config = getattr(vllm_config, "model_config", None)
     if getattr(model_config, "attention_chunk_size", None):

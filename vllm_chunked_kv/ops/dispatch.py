@@ -15,7 +15,8 @@ Triton kernels, the C++ CPU kernels (`cpu_ext.py`), or the PyTorch path
   ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` | ``cpp`` | ``torch``, or
   ``DECODE+PREFILL`` of two kernels, forces one (an error, with the
   reasons, if it cannot run); ``auto`` or unset picks.
-- `ops(impl)` returns the implementation's three step ops, with the
+- `ops(impl)` returns the implementation's three step ops (and, for the
+  C++ kernels, the extension that builds decode plans in one call), with the
   signatures of `shared.write_raw`, `compressed.write_chunks` and
   `compressed.attend`; only the PyTorch `attend` reads the plan's dense
   bias (`needs_bias`).
@@ -33,6 +34,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -191,6 +193,7 @@ class Ops(NamedTuple):
     write_raw: Callable
     write_chunks: Callable
     attend: Callable
+    native_plans: ModuleType | None = None  # builds decode plans in one call (the C++ extension), or None
 
     @property
     def needs_bias(self) -> bool:
@@ -206,7 +209,8 @@ def ops(impl: str) -> Ops:
     sets (prefill pieces) to the second's."""
     if "+" in impl:
         decode, prefill = (ops(part) for part in impl.split("+"))
-        return Ops(impl, decode.write_raw, decode.write_chunks, split_attend(decode.attend, prefill.attend))
+        return Ops(impl, decode.write_raw, decode.write_chunks, split_attend(decode.attend, prefill.attend),
+                   decode.native_plans)
     if impl == "torch":
         return Ops("torch", shared.write_raw, with_unit_writes(compressed.write_chunks), compressed.attend)
     if impl == "cuda":
@@ -216,7 +220,8 @@ def ops(impl: str) -> Ops:
     if impl == "cpp":
         from vllm_chunked_kv.ops.kernels import cpu_ext
 
-        return Ops("cpp", cpu_ext.write_raw, with_unit_writes(cpu_ext.write_chunks), cpu_ext.attend)
+        return Ops("cpp", cpu_ext.write_raw, with_unit_writes(cpu_ext.write_chunks), cpu_ext.attend,
+                   cpu_ext.load())
     if impl == "triton":
         from vllm_chunked_kv.ops.kernels import triton_attention, triton_pool
 

@@ -67,7 +67,9 @@ def worker_or_main(worker, main) -> None:
 def engine_main(spec: dict) -> dict:
     """One engine run (in its own process): `spec` is what `generate` builds."""
     from vllm import LLM, SamplingParams
+    from vllm.plugins import load_general_plugins
 
+    load_general_plugins()  # as `vllm serve` does before parsing: CHUNKED_KV named in attention_config resolves
     llm = LLM(spec["model"], **spec["engine"])
     preemptions = _count_preemptions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from vllm_chunked_kv.backend import BACKEND_NAME
+from vllm_chunked_kv.backend import BACKEND_NAME, serves_some_layer
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,11 @@ def footprint(
 
 
 def attention_backend_name(vllm_config: Any) -> str:
-    """The selected attention backend's name, or "auto" when none was asked for."""
+    """The selected attention backend's name: CHUNKED_KV when it serves some
+    layer (also through `backend_per_kind`), else `--attention-backend`, or
+    "auto" when none was asked for."""
+    if serves_some_layer(vllm_config):
+        return BACKEND_NAME
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     if backend is None:
         return "auto"
@@ -69,7 +73,8 @@ def attention_backend_name(vllm_config: Any) -> str:
 
 
 def chunked_backend_active(vllm_config: Any) -> bool:
-    return attention_backend_name(vllm_config).upper() == BACKEND_NAME
+    """CHUNKED_KV serves some layer, by `--attention-backend` or `backend_per_kind`."""
+    return serves_some_layer(vllm_config)
 
 
 def kv_dtype_bytes(vllm_config: Any) -> int:

@@ -24,8 +24,9 @@ that do not exist in a given step are padding, never read as data:
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields, replace
+from types import ModuleType
+
 import torch
 
 from vllm_chunked_kv.core import grid, layout
@@ -35,30 +36,10 @@ from vllm_chunked_kv.ops.plans.step_plan import (NULL_PAGE, ChunkWrites, KeySet,
                                            visibility_bias)
 
 
-DECODE_PLAN_ENV = "CHUNKED_KV_DECODE_PLAN"
-
-
-def decode_plan_on_device(device: torch.device, impl: str | None = None, cfg: ChunkedKVConfig | None = None) -> bool:
-    """Whether uniform decode batches get the device-side plan
-    (this module): ``CHUNKED_KV_DECODE_PLAN`` = ``device`` |
-    ``python``, or by default on CUDA devices (CUDA graphs) and with the C++
-    CPU kernels (`impl` ``cpp``: it takes about half the Python plan's time
-    at batch 8 and a fifth at batch 64, benchmarks/README.md, and the kernel
-    reads only the visible slots; the PyTorch path would gather every
-    addressable one). Never with dynamic boundaries (`cfg`), whose unit
-    writes are planned in Python."""
-    choice = os.environ.get(DECODE_PLAN_ENV, "auto").strip().lower()
-    if choice not in ("auto", "device", "python"):
-        raise ValueError(f"{DECODE_PLAN_ENV}={choice!r}: choose auto, device or python")
-    if cfg is not None and cfg.boundaries == "dynamic":
-        return False
-    return choice == "device" or (choice == "auto" and (device.type == "cuda" or impl == "cpp"))
-
-
 def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
                       raw_block_table: torch.Tensor, raw_block_size: int, cfg: ChunkedKVConfig,
                       origins: list[int], *, bias: bool = True, grid_shifts: torch.Tensor | None = None,
-                      native: bool | None = None) -> StepPlan:
+                      native: ModuleType | None = None) -> StepPlan:
     """The plan of a step in which request ``r`` computes the one token at
     position ``seq_lens[r] - 1`` (token index ``r``). seq_lens ``[b]``,
     block tables ``[b, max_blocks]`` and ``[b, max_raw_blocks]``, and
@@ -66,9 +47,8 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
     the device. Padding requests (seq_len 0) read and write nothing. Not for
     dynamic boundaries, whose unit writes are planned on the host (`step_plan`).
 
-    On CPU without `bias` the C++ extension builds the same plan in one call
-    (`native`: None uses it when the extension is loaded, True requires it,
-    False keeps the tensor ops)."""
+    On CPU without `bias`, `native` (the loaded C++ extension,
+    `kernels/cpu_ext.py`; None: the tensor ops) builds the same plan in one call."""
     if cfg.boundaries != "fixed":
         raise ValueError("boundaries 'dynamic' decode steps are planned in Python (step_plan.build_plan)")
     head_o = constants.ints(tuple(origins), seq_lens.device)  # [Hkv]
@@ -78,9 +58,8 @@ def build_decode_plan(seq_lens: torch.Tensor, block_table: torch.Tensor, block_s
         o = grid.shifted(cfg, head_o[None, :], grid_shifts.long()[:, None])  # [b, Hkv]
     host_origins = grid.possible_origins(cfg, origins)  # every origin a request may have (host ints)
     per_block = layout.states_per_block(cfg, block_size)
-    module = _native_module(seq_lens.device, bias, native)
-    if module is not None:
-        return _native_plan(module, cfg, o, host_origins, seq_lens, block_table, per_block, raw_block_table,
+    if native is not None and not bias and seq_lens.device.type == "cpu":
+        return _native_plan(native, cfg, o, host_origins, seq_lens, block_table, per_block, raw_block_table,
                             raw_block_size)
     t = seq_lens.long() - 1  # [b] the token's position (-1: padding request)
     tables = (block_table.long(), per_block, raw_block_table.long(), raw_block_size)
@@ -173,20 +152,21 @@ def _key_set(cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], t: torch
 
 
 def build_mixed_plan(batch: PagedBatch, num_decodes: int, cfg: ChunkedKVConfig, origins: list[int], *,
-                     bias: bool = True) -> StepPlan:
+                     bias: bool = True, native: ModuleType | None = None) -> StepPlan:
     """The plan of a step whose first `num_decodes` requests each compute one
     token (their token indices are then their request indices; vLLM puts
     decodes first when a backend asks, `reorder_batch_threshold`) and whose
     other requests are prefill pieces: the decodes planned as a uniform
     batch (`build_decode_plan`, one C++ call on CPU), the rest by
-    `step_plan.build_plan`, joined. Fixed boundaries; host block tables."""
+    `step_plan.build_plan`, joined (`native` as for `build_decode_plan`).
+    Fixed boundaries; host block tables."""
     d = num_decodes
     if not 0 < d < len(batch.seq_lens) or batch.query_start[d] != d:
         raise ValueError(f"{d} leading decodes do not fit query_start {batch.query_start[:d + 1]}")
     shifts = batch.grid_shifts
     decodes = build_decode_plan(torch.tensor(batch.seq_lens[:d]), batch.block_table[:d], batch.block_size,
                                 batch.raw_block_table[:d], batch.raw_block_size, cfg, origins, bias=bias,
-                                grid_shifts=None if shifts is None else torch.tensor(shifts[:d]))
+                                grid_shifts=None if shifts is None else torch.tensor(shifts[:d]), native=native)
     rest = build_plan(replace(batch, query_start=batch.query_start[d:], seq_lens=batch.seq_lens[d:],
                               block_table=batch.block_table[d:], raw_block_table=batch.raw_block_table[d:],
                               grid_shifts=None if shifts is None else shifts[d:]), cfg, origins, bias=bias)
@@ -204,18 +184,6 @@ def _raw_columns(cfg: ChunkedKVConfig, origins: list[int]) -> int:
 def _zero_width(cfg: ChunkedKVConfig, origins: list[int]) -> int:
     """Z0: the most slots below a head's first group, over every possible origin."""
     return max((grid.first_group(cfg, x) * grid.slots_per_group(cfg) for x in origins), default=0)
-
-
-def _native_module(device: torch.device, bias: bool, native: bool | None):
-    """The C++ extension when it builds this plan (see `build_decode_plan`), else None."""
-    if bias or device.type != "cpu" or native is False:
-        return None
-    from vllm_chunked_kv.ops.kernels import cpu_ext
-
-    module = cpu_ext.load() if native else cpu_ext.loaded()
-    if native and module is None:
-        raise RuntimeError(f"the C++ decode plan is unavailable: {'; '.join(cpu_ext.unavailable_reasons())}")
-    return module
 
 
 def _native_plan(module, cfg: ChunkedKVConfig, o: torch.Tensor, origins: list[int], seq_lens: torch.Tensor,
