@@ -21,6 +21,7 @@ this one file, and the list below says what to re-check
 | `KVCacheManager.coordinator.single_type_managers`, `Request.shared_prefix_boundary` | raw_window | the same: where the junction is and whom to tell |
 | `GPUModelRunner.__init__` (wrapped), `InputBatch.num_prompt_tokens_cpu_tensor` | alignment | `align` needs prompt lengths in the metadata builder |
 | `EngineCore.preprocess_add_request` (wrapped), `EngineCoreRequest.cache_salt` | alignment | `align`: a prefix-cache salt per grid shift |
+| one `CommonAttentionMetadata.query_start_loc_cpu` object for every cache group of a step, a new one each step (model runners V1 and V2) | step_link | the builder plans a layer once its raw pages' group of the same step is built |
 """
 
 from __future__ import annotations
