@@ -42,11 +42,12 @@ from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan, d
 BUILD_ENV = "CHUNKED_KV_BUILD_CPP"
 ISA_ENV = "CHUNKED_KV_CPU_ISA"
 SOURCES_DIR: Path = jit.SOURCES_DIR
-SOURCES = ("chunked_kv_cpu_ext.cpp", "chunked_kv_cpu_avx512bf16.cpp", "chunked_kv_cpu_avx512.cpp",
-           "chunked_kv_cpu_avx2.cpp", "chunked_kv_cpu_scalar.cpp")
-HEADERS = ("chunked_kv_cpu.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_cpu_simd.h",
-           "chunked_kv_cpu_tile.h", "chunked_kv_cpu_bf16.h", "chunked_kv_cpu_block.h", "chunked_kv_cpu_attend.h",
-           "chunked_kv_cpu_write.h", "chunked_kv_cpu_plan.h")
+SOURCES = ("cpu/chunked_kv_cpu_ext.cpp", "cpu/chunked_kv_cpu_avx512bf16.cpp", "cpu/chunked_kv_cpu_avx512.cpp",
+           "cpu/chunked_kv_cpu_avx2.cpp", "cpu/chunked_kv_cpu_scalar.cpp")  # under SOURCES_DIR
+HEADERS = ("common/chunked_kv_types.h", "common/chunked_kv_binding.h", "cpu/chunked_kv_cpu.h",
+           "cpu/chunked_kv_cpu_simd.h", "cpu/chunked_kv_cpu_tile.h", "cpu/chunked_kv_cpu_bf16.h",
+           "cpu/chunked_kv_cpu_block.h", "cpu/chunked_kv_cpu_attend.h", "cpu/chunked_kv_cpu_write.h",
+           "cpu/chunked_kv_cpu_plan.h")
 NO_SINKS = torch.empty(0)  # `attend`'s sinks argument for a model without them
 MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256

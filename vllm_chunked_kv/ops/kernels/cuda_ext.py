@@ -48,8 +48,9 @@ BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
 
 
 SOURCES_DIR = jit.SOURCES_DIR
-SOURCES = ("chunked_kv_write.cu", "chunked_kv_attention.cu", "chunked_kv_ext.cpp")
-HEADERS = ("chunked_kv.h", "chunked_kv_types.h", "chunked_kv_binding.h", "chunked_kv_common.cuh", "cpu_emulation.h")
+SOURCES = ("cuda/chunked_kv_write.cu", "cuda/chunked_kv_attention.cu", "cuda/chunked_kv_ext.cpp")  # under SOURCES_DIR
+HEADERS = ("cuda/chunked_kv.h", "common/chunked_kv_types.h", "common/chunked_kv_binding.h",
+           "cuda/chunked_kv_common.cuh", "cuda/cpu_emulation.h")
 MAX_TILE_ROWS = 32  # csrc/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
 MAX_GROUP, MAX_HEAD_SIZE = 32, 256  # a decode tile within these fits an A100's or H100's shared memory
 

@@ -15,7 +15,7 @@
 #endif
 
 #include "chunked_kv.h"
-#include "chunked_kv_binding.h"
+#include "../common/chunked_kv_binding.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "chunked_kv_binding.h"
+#include "../common/chunked_kv_binding.h"
 #include "chunked_kv_cpu.h"
 #include "chunked_kv_cpu_plan.h"
 

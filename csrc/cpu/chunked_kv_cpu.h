@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#include "chunked_kv_types.h"
+#include "../common/chunked_kv_types.h"
 
 namespace chunked_kv_cpu {
 

@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "chunked_kv_types.h"
+#include "../common/chunked_kv_types.h"
 
 namespace chunked_kv {
 
