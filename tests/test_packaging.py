@@ -2,9 +2,10 @@
 the three shipped demo models (weights, tokenizer, configs), the SmolLM2
 adapter that `models fetch --adapted` merges, the prose-codes scanner task and
 the scanner's example task,
-and the CUDA and C++ CPU sources and headers, installed where `ops/cuda_ext.py`
-and `ops/cpu_ext.py` look for them without a checkout
-(``<prefix>/share/vllm-chunked-kv/csrc``)."""
+and the CUDA and C++ CPU sources and headers, every file of every csrc/ folder
+(``common/``, ``cpu/``, ``cuda/``), installed where `ops/kernels/cuda_ext.py`
+and `ops/kernels/cpu_ext.py` look for them without a checkout
+(``<prefix>/share/vllm-chunked-kv/csrc``, folders kept)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from vllm_chunked_kv.ops.kernels import cpu_ext, cuda_ext
+from vllm_chunked_kv.ops.kernels import cpu_ext, cuda_ext, jit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,4 +35,9 @@ def test_wheel_carries_models_and_cuda_sources(tmp_path):
     assert "vllm_chunked_kv/scan/examples/secret_codes.jsonl" in names
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
     for name in cuda_ext.SOURCES + cuda_ext.HEADERS + cpu_ext.SOURCES + cpu_ext.HEADERS:
-        assert (cuda_ext.INSTALLED_SOURCES / name).as_posix() in data
+        assert (jit.INSTALLED_SOURCES / name).as_posix() in data
+    csrc = ROOT / "csrc"
+    shipped = sorted((jit.INSTALLED_SOURCES / p.relative_to(csrc)).as_posix() for p in csrc.rglob("*")
+                     if p.is_file())
+    assert {"common", "cpu", "cuda"} <= {p.name for p in csrc.iterdir() if p.is_dir()}
+    assert [name for name in shipped if name not in data] == []

@@ -1,6 +1,8 @@
-// Values both kernel families (CUDA: chunked_kv.h, CPU: chunked_kv_cpu.h)
-// share with the Python side: the storage dtypes, and the grid's slot kinds
-// (vllm_chunked_kv/grid.py SlotKind, BOUNDARY_SLOTS). No torch, no CUDA.
+// Values both kernel families (CUDA: cuda/chunked_kv.h, CPU:
+// cpu/chunked_kv_cpu.h) share with the Python side: the storage dtypes, and
+// the grid's slot kinds (vllm_chunked_kv/core/grid.py SlotKind,
+// BOUNDARY_SLOTS). No torch, no CUDA. The kernels' argument structs, in the
+// same namespace, are in chunked_kv_args.h.
 #pragma once
 
 namespace chunked_kv_types {

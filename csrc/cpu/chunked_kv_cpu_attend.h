@@ -1,5 +1,5 @@
 // Chunked attention over the compressed layout on CPU (docs/design.md §3-4,
-// §10): what ops/compressed.py `attend` computes, without its dense bias.
+// §10): what ops/kernels/compressed.py `attend` computes, without its dense bias.
 // Included by each instruction set's translation unit.
 //
 // Work items are (key-set row, query tile, KV head, split), spread over
@@ -15,7 +15,7 @@
 //    tile's last query; a pooled row enters with logit bias log_weight.
 //
 // Visibility per (query, row) comes from positions and the settings alone,
-// the rule step_plan._bias writes as a tensor. A long context is split
+// the rule step_plan.visibility_bias writes as a tensor. A long context is split
 // into num_splits contiguous ranges of these parts, each writing a partial
 // softmax (max, sum, weighted values) that merge_splits combines.
 #pragma once
@@ -150,8 +150,9 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
 
 static void load_queries(const AttendArgs& a, Tile& t, const int64_t* tokens, int head) {
   const int group = t.group, q_stride = round_up(t.head_d, 32);
+  const float* query = static_cast<const float*>(a.query);  // fp32 on CPU
   for (int r = 0; r < t.rows; ++r) {
-    const float* src = a.query + tokens[r / group] * a.stride_qt + (int64_t)(head * group + r % group) * a.stride_qh;
+    const float* src = query + tokens[r / group] * a.stride_qt + (int64_t)(head * group + r % group) * a.stride_qh;
     for (int d = 0; d < t.dp; ++d) t.q[r * t.dp + d] = d < t.head_d ? src[d] * a.scale : 0.f;
     if (t.dot_bf16)
       for (int d = 0; d < q_stride; ++d) t.q_bf16[r * q_stride + d] = d < t.head_d ? from_float<Bf16>(src[d]).bits : 0;

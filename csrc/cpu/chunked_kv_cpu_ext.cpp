@@ -1,8 +1,10 @@
 // Torch binding of the CPU kernels (chunked_kv_cpu.h): checks the tensors,
-// fills the argument structs and runs the kernels of the widest instruction
-// set this CPU has (or the one `set_isa` names), with
-// as many OpenMP threads as torch uses. Built on demand by
-// vllm_chunked_kv/ops/kernels/cpu_ext.py, which turns a step's `StepPlan` into these calls.
+// fills the argument structs (common/chunked_kv_args.h, through the helpers
+// the CUDA binding shares, common/chunked_kv_binding.h) and runs the kernels
+// of the widest instruction set this CPU has (or the one `set_isa` names),
+// with as many OpenMP threads as torch uses. Built on demand by
+// vllm_chunked_kv/ops/kernels/cpu_ext.py, which turns a step's `StepPlan`
+// into these calls.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -58,24 +60,22 @@ void set_isa(const std::string& isa) {
   TORCH_CHECK(false, "chunked_kv: instruction set ", isa, " is not supported by this CPU");
 }
 
-using chunked_kv_binding::dtype_of;
-using chunked_kv_binding::set_row_strides;
+// The device check of the shared helpers.
+void on_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
+}
 
 void check_rows(const Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
-  chunked_kv_binding::check_row_layout(t, name, dim);
+  chunked_kv_binding::check_rows(on_cpu, t, name, dim);
 }
 
 const int64_t* index(const Tensor& t, const char* name, int64_t rows, int64_t cols = -1) {
-  TORCH_CHECK(t.is_cpu(), "chunked_kv: ", name, " must be a CPU tensor");
-  return chunked_kv_binding::index_table(t, name, rows, cols);
+  return chunked_kv_binding::index(on_cpu, t, name, rows, cols);
 }
 
 // The step rows must be in the cache dtype or fp32 (the wrapper converts others).
-DType step_dtype(const Tensor& step_rows, DType cache) {
-  const DType step = dtype_of(step_rows, "step_rows");
+void check_step_dtype(DType step, DType cache) {
   TORCH_CHECK(step == cache || step == DType::kFloat32, "chunked_kv: step_rows must be fp32 or the cache dtype");
-  return step;
 }
 
 // Zero the slots below a head's first group (`ChunkWrites.zero_*`); entries
@@ -103,36 +103,12 @@ void write_chunks(Tensor comp_cache, const Tensor& raw_cache, const Tensor& step
                   const Tensor& dst_blocks, const Tensor& dst_offsets, const Tensor& zero_heads,
                   const Tensor& zero_blocks, const Tensor& zero_offsets, int64_t head_d, int64_t pool_lo,
                   int64_t pool_hi, bool key_norm) {
-  check_rows(comp_cache, "comp_cache", 4);
-  zero_slots(comp_cache, zero_heads, zero_blocks, zero_offsets);
-  check_rows(raw_cache, "raw_cache", 4);
-  check_rows(step_rows, "step_rows", 3);
-  TORCH_CHECK(comp_cache.scalar_type() == raw_cache.scalar_type(), "chunked_kv: the caches differ in dtype");
-  chunked_kv_cpu::WriteArgs a{};
-  a.num_chunks = heads.numel();
-  a.chunk_size = static_cast<int>(src_blocks.size(1));
-  a.slots_per_group = static_cast<int>(dst_blocks.size(1));
+  chunked_kv_cpu::WriteArgs a =
+      chunked_kv_binding::write_args(on_cpu, comp_cache, raw_cache, step_rows, gains, heads, src_blocks, src_offsets,
+                                     src_step, dst_blocks, dst_offsets, head_d, pool_lo, pool_hi, key_norm);
   TORCH_CHECK(a.chunk_size <= chunked_kv_cpu::kMaxChunk, "chunked_kv: chunk_size above ", chunked_kv_cpu::kMaxChunk);
-  TORCH_CHECK(gains.scalar_type() == at::kFloat && gains.is_contiguous() && gains.numel() == a.chunk_size,
-              "chunked_kv: gains must be chunk_size contiguous fp32 values");
-  a.cache_dtype = dtype_of(comp_cache, "comp_cache");
-  a.step_dtype = step_dtype(step_rows, a.cache_dtype);
-  a.step_rows = step_rows.data_ptr();
-  a.raw_cache = raw_cache.data_ptr();
-  a.comp_cache = comp_cache.data_ptr();
-  a.gains = gains.data_ptr<float>();
-  a.heads = index(heads, "heads", a.num_chunks);
-  a.src_blocks = index(src_blocks, "src_blocks", a.num_chunks, a.chunk_size);
-  a.src_offsets = index(src_offsets, "src_offsets", a.num_chunks, a.chunk_size);
-  a.src_step = index(src_step, "src_step", a.num_chunks, a.chunk_size);
-  a.dst_blocks = index(dst_blocks, "dst_blocks", a.num_chunks, a.slots_per_group);
-  a.dst_offsets = index(dst_offsets, "dst_offsets", a.num_chunks, a.slots_per_group);
-  set_row_strides(a, step_rows, raw_cache, comp_cache);
-  a.head_d = static_cast<int>(head_d);
-  a.head_dv = static_cast<int>(raw_cache.size(3) - head_d);
-  a.pool_lo = static_cast<int>(pool_lo);
-  a.pool_hi = static_cast<int>(pool_hi);
-  a.key_norm = key_norm;
+  check_step_dtype(a.step_dtype, a.cache_dtype);
+  zero_slots(comp_cache, zero_heads, zero_blocks, zero_offsets);
   a.num_threads = at::get_num_threads();
   ++g_write_calls;
   if (a.num_chunks) table().write_chunks(a);
@@ -146,80 +122,18 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
             double log_weight, int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop,
             int64_t slots_per_group, int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks,
             int64_t lookback) {
-  check_rows(query, "query", 3);
-  check_rows(step_rows, "step_rows", 3);
-  check_rows(comp_cache, "comp_cache", 4);
-  check_rows(raw_cache, "raw_cache", 4);
-  check_rows(out, "out", 3);
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "chunked_kv: query must be fp32 (the wrapper converts it)");
-  TORCH_CHECK(comp_cache.scalar_type() == raw_cache.scalar_type(), "chunked_kv: the caches differ in dtype");
-  chunked_kv_cpu::AttendArgs a{};
-  a.num_rows = query_index.size(0);
-  a.num_q = query_index.size(1);
-  a.max_raw = raw_blocks.size(1);
-  TORCH_CHECK(comp_rows_per_page >= 0, "chunked_kv: comp_rows_per_page must be >= 0");
-  a.comp_rows_per_page = comp_rows_per_page;
-  a.max_slots = comp_blocks.size(1) * (comp_rows_per_page ? comp_rows_per_page : 1);
-  a.num_tokens = query.size(0);
-  a.num_heads = static_cast<int>(query.size(1));
-  a.num_kv_heads = static_cast<int>(raw_cache.size(1));
-  a.head_d = static_cast<int>(query.size(2));
-  a.head_dv = static_cast<int>(raw_cache.size(3) - a.head_d);
+  chunked_kv_cpu::AttendArgs a = chunked_kv_binding::attend_args(
+      on_cpu, query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, query_index, query_positions,
+      raw_blocks, raw_offsets, raw_positions, num_raw, comp_blocks, comp_offsets, num_slots, comp_rows_per_page,
+      origins, scale, log_weight, window, sink_tokens, chunk_size, hop, slots_per_group, tile_q, num_splits, softcap,
+      sinks, lookback);
+  TORCH_CHECK(a.query_dtype == DType::kFloat32, "chunked_kv: query must be fp32 (the wrapper converts it)");
+  check_step_dtype(a.step_dtype, a.cache_dtype);
   const int group = a.num_heads / a.num_kv_heads;
-  TORCH_CHECK(a.num_heads % a.num_kv_heads == 0, "chunked_kv: query heads are not a multiple of the KV heads");
-  TORCH_CHECK(tile_q >= 1 && tile_q * group <= chunked_kv_cpu::kMaxTileRows, "chunked_kv: a tile of ", tile_q,
-              " queries x ", group, " heads exceeds ", chunked_kv_cpu::kMaxTileRows, " rows");
-  TORCH_CHECK(a.head_dv >= 1 && a.head_dv <= 1024, "chunked_kv: value head size must be in [1, 1024]");
-  a.cache_dtype = dtype_of(comp_cache, "comp_cache");
-  a.step_dtype = step_dtype(step_rows, a.cache_dtype);
-  a.out_dtype = dtype_of(out, "out");
-  a.query = query.data_ptr<float>();
+  TORCH_CHECK(a.tile_q * group <= chunked_kv_cpu::kMaxTileRows, "chunked_kv: a tile of ", a.tile_q, " queries x ",
+              group, " heads exceeds ", chunked_kv_cpu::kMaxTileRows, " rows");
+  TORCH_CHECK(a.head_dv <= 1024, "chunked_kv: value head size must be in [1, 1024]");
   a.query_is_bf16 = query_is_bf16;
-  a.step_rows = step_rows.data_ptr();
-  a.raw_cache = raw_cache.data_ptr();
-  a.comp_cache = comp_cache.data_ptr();
-  a.out = out.data_ptr();
-  a.num_splits = static_cast<int>(num_splits);
-  if (num_splits > 1) {
-    TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_acc.is_contiguous() &&
-                part_acc.numel() == num_splits * a.num_tokens * a.num_heads * a.head_dv, "chunked_kv: bad part_acc");
-    TORCH_CHECK(part_ml.scalar_type() == at::kFloat && part_ml.is_contiguous() &&
-                part_ml.numel() == 2 * num_splits * a.num_tokens * a.num_heads, "chunked_kv: bad part_ml");
-    a.part_acc = part_acc.data_ptr<float>();
-    a.part_ml = part_ml.data_ptr<float>();
-  }
-  a.query_index = index(query_index, "query_index", a.num_rows, a.num_q);
-  a.query_positions = index(query_positions, "query_positions", a.num_rows, a.num_q);
-  a.raw_blocks = index(raw_blocks, "raw_blocks", a.num_rows, a.max_raw);
-  a.raw_offsets = index(raw_offsets, "raw_offsets", a.num_rows, a.max_raw);
-  a.raw_positions = index(raw_positions, "raw_positions", a.num_rows, a.max_raw);
-  a.num_raw = index(num_raw, "num_raw", a.num_rows);
-  a.comp_blocks = index(comp_blocks, "comp_blocks", a.num_rows, comp_blocks.size(1));
-  a.comp_offsets = comp_rows_per_page ? nullptr : index(comp_offsets, "comp_offsets", a.num_rows, a.max_slots);
-  a.num_slots = index(num_slots, "num_slots", a.num_rows);
-  a.origins = index(origins, "origins", a.num_rows, a.num_kv_heads);
-  a.stride_qt = query.stride(0);
-  a.stride_qh = query.stride(1);
-  a.stride_ot = out.stride(0);
-  a.stride_oh = out.stride(1);
-  set_row_strides(a, step_rows, raw_cache, comp_cache);
-  a.window = window;
-  a.sink_tokens = sink_tokens;
-  a.chunk_size = static_cast<int>(chunk_size);
-  a.hop = static_cast<int>(hop);
-  a.slots_per_group = static_cast<int>(slots_per_group);
-  a.tile_q = static_cast<int>(tile_q);
-  a.scale = static_cast<float>(scale);
-  a.log_weight = static_cast<float>(log_weight);
-  TORCH_CHECK(softcap >= 0, "chunked_kv: softcap must be >= 0");
-  a.softcap = static_cast<float>(softcap);
-  if (sinks.numel()) {
-    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.numel() == a.num_heads,
-                "chunked_kv: sinks must be fp32 [num_heads]");
-    a.sinks = sinks.data_ptr<float>();
-  }
-  TORCH_CHECK(lookback >= 0, "chunked_kv: lookback must be >= 0");
-  a.lookback = lookback;
   a.num_threads = at::get_num_threads();
   int64_t pair_tiles = 0;
   a.pair_tiles = &pair_tiles;
@@ -230,7 +144,7 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
 
 // Store the step rows of `tokens` [w] at their raw slots (`slots` [n], vLLM's
 // slot mapping: page * rows_per_page + row; -1, a padding token, goes to the
-// null page 0, which no plan reads): what compressed.write_raw does, in one call.
+// null page 0, which no plan reads): what shared.write_raw does, in one call.
 void write_raw(Tensor raw_cache, const Tensor& step_rows, const Tensor& slots, const Tensor& tokens) {
   check_rows(raw_cache, "raw_cache", 4);
   check_rows(step_rows, "step_rows", 3);
@@ -255,21 +169,8 @@ void write_raw(Tensor raw_cache, const Tensor& step_rows, const Tensor& slots, c
 }
 
 void merge_splits(const Tensor& part_acc, const Tensor& part_ml, Tensor out) {
-  check_rows(out, "out", 3);
-  chunked_kv_cpu::MergeArgs a{};
-  a.num_splits = static_cast<int>(part_acc.size(0));
-  a.num_tokens = out.size(0);
-  a.num_heads = static_cast<int>(out.size(1));
-  a.head_dv = static_cast<int>(out.size(2));
-  TORCH_CHECK(part_acc.is_contiguous() && part_ml.is_contiguous() && a.head_dv <= 1024 &&
-              part_acc.numel() == a.num_splits * a.num_tokens * a.num_heads * a.head_dv &&
-              part_ml.numel() == 2 * a.num_splits * a.num_tokens * a.num_heads, "chunked_kv: bad partials");
-  a.part_acc = part_acc.data_ptr<float>();
-  a.part_ml = part_ml.data_ptr<float>();
-  a.out = out.data_ptr();
-  a.out_dtype = dtype_of(out, "out");
-  a.stride_ot = out.stride(0);
-  a.stride_oh = out.stride(1);
+  chunked_kv_cpu::MergeArgs a = chunked_kv_binding::merge_args(on_cpu, part_acc, part_ml, out);
+  TORCH_CHECK(a.head_dv <= 1024, "chunked_kv: value head size must be in [1, 1024]");
   a.num_threads = at::get_num_threads();
   table().merge_splits(a);
 }
@@ -298,7 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_raw", &write_raw, "Store the step rows of some tokens at their raw slots");
   m.def("write_chunks", &write_chunks, "Pool the chunks a step completes into their compressed slots");
   m.def("attend", &attend, "Chunked attention of one key set's queries");
-  m.def("decode_plan", &decode_plan, "The index plan of a uniform decode batch (ops/decode_plan.py)");
+  m.def("decode_plan", &decode_plan, "The index plan of a uniform decode batch (ops/plans/decode_plan.py)");
   m.def("plan_calls", [] { return g_plan_calls.load(); }, "decode_plan calls so far");
   m.def("pair_value_tiles", [] { return g_pair_tiles.load(); },
         "attention tiles so far whose values took bf16 pair products (AVX-512 BF16)");

@@ -1,5 +1,5 @@
 // Pooling of the chunks a step completes into the compressed pages on CPU
-// (docs/design.md §3-4; what ops/compressed.py `write_chunks` does), one
+// (docs/design.md §3-4; what ops/kernels/compressed.py `write_chunks` does), one
 // OpenMP iteration per chunk: gather its chunk_size rows (the step's own
 // row, rounded to the cache dtype, or the stored raw row) in fp32, weigh the
 // pooled slots (fixed normalised gains, or the softmax of the keys' L2

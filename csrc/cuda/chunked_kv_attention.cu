@@ -1,5 +1,5 @@
 // Chunked attention over the compressed layout (docs/design.md §3-4, §10; what
-// ops/compressed.py `attend` computes, from the same KeySet, without its
+// ops/kernels/compressed.py `attend` computes, from the same KeySet, without its
 // dense bias). fp32 arithmetic whatever the storage dtypes.
 //
 // A block handles a tile of up to tile_q consecutive queries of one key-set
@@ -311,8 +311,8 @@ cudaError_t attend_typed(const AttendArgs& a, cudaStream_t stream) {
 }
 
 template <typename TQ>
-cudaError_t attend_query_typed(const AttendArgs& a, DType cache_dtype, cudaStream_t stream) {
-  switch (cache_dtype) {
+cudaError_t attend_query_typed(const AttendArgs& a, cudaStream_t stream) {
+  switch (a.cache_dtype) {
     case DType::kFloat16: return attend_typed<TQ, __half>(a, stream);
     case DType::kBFloat16: return attend_typed<TQ, __nv_bfloat16>(a, stream);
     default: return attend_typed<TQ, float>(a, stream);
@@ -337,18 +337,18 @@ size_t attend_shared_bytes(int tile_rows, int head_d, int head_dv) {
          + 3 * align16(sizeof(float) * rows);                                  // m, l, alpha
 }
 
-cudaError_t launch_attend(const AttendArgs& args, DType query_dtype, DType cache_dtype, cudaStream_t stream) {
+cudaError_t launch_attend(const AttendArgs& args, cudaStream_t stream) {
   if (args.num_rows == 0 || args.num_q == 0) return cudaSuccess;
-  switch (query_dtype) {
-    case DType::kFloat16: return attend_query_typed<__half>(args, cache_dtype, stream);
-    case DType::kBFloat16: return attend_query_typed<__nv_bfloat16>(args, cache_dtype, stream);
-    default: return attend_query_typed<float>(args, cache_dtype, stream);
+  switch (args.query_dtype) {
+    case DType::kFloat16: return attend_query_typed<__half>(args, stream);
+    case DType::kBFloat16: return attend_query_typed<__nv_bfloat16>(args, stream);
+    default: return attend_query_typed<float>(args, stream);
   }
 }
 
-cudaError_t launch_merge_splits(const MergeArgs& args, DType out_dtype, cudaStream_t stream) {
+cudaError_t launch_merge_splits(const MergeArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;
-  switch (out_dtype) {
+  switch (args.out_dtype) {
     case DType::kFloat16: return merge_typed<__half>(args, stream);
     case DType::kBFloat16: return merge_typed<__nv_bfloat16>(args, stream);
     default: return merge_typed<float>(args, stream);

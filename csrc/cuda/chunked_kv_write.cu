@@ -1,5 +1,5 @@
 // Pooling of the chunks a step completes into the compressed pages
-// (docs/design.md §3-4; what ops/compressed.py `write_chunks` does): one block per
+// (docs/design.md §3-4; what ops/kernels/compressed.py `write_chunks` does): one block per
 // chunk gathers its chunk_size rows (the step's own row, rounded to the cache
 // dtype, or the stored raw row), weighs the pooled slots (fixed normalised
 // gains, or the softmax of the keys' L2 norms for key_norm) and stores the
@@ -101,8 +101,8 @@ cudaError_t write_typed(const WriteArgs& a, cudaStream_t stream) {
 }
 
 template <typename TS>
-cudaError_t write_step_typed(const WriteArgs& a, DType cache_dtype, cudaStream_t stream) {
-  switch (cache_dtype) {
+cudaError_t write_step_typed(const WriteArgs& a, cudaStream_t stream) {
+  switch (a.cache_dtype) {
     case DType::kFloat16: return write_typed<TS, __half>(a, stream);
     case DType::kBFloat16: return write_typed<TS, __nv_bfloat16>(a, stream);
     default: return write_typed<TS, float>(a, stream);
@@ -111,12 +111,12 @@ cudaError_t write_step_typed(const WriteArgs& a, DType cache_dtype, cudaStream_t
 
 }  // namespace
 
-cudaError_t launch_write_chunks(const WriteArgs& args, DType step_dtype, DType cache_dtype, cudaStream_t stream) {
+cudaError_t launch_write_chunks(const WriteArgs& args, cudaStream_t stream) {
   if (args.num_chunks == 0) return cudaSuccess;
-  switch (step_dtype) {
-    case DType::kFloat16: return write_step_typed<__half>(args, cache_dtype, stream);
-    case DType::kBFloat16: return write_step_typed<__nv_bfloat16>(args, cache_dtype, stream);
-    default: return write_step_typed<float>(args, cache_dtype, stream);
+  switch (args.step_dtype) {
+    case DType::kFloat16: return write_step_typed<__half>(args, stream);
+    case DType::kBFloat16: return write_step_typed<__nv_bfloat16>(args, stream);
+    default: return write_step_typed<float>(args, stream);
   }
 }
 

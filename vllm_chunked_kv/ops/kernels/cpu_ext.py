@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``csrc/chunked_kv_cpu*``): built on first use, cached, with a fallback.
+"""The C++ CPU kernels (``csrc/cpu/``, ``csrc/common/``): built on first use, cached, with a fallback.
 
 `load()` JIT-builds and imports the extension with
 ``torch.utils.cpp_extension.load`` (OpenMP, ``-O3``; torch caches the build
@@ -44,12 +44,12 @@ ISA_ENV = "CHUNKED_KV_CPU_ISA"
 SOURCES_DIR: Path = jit.SOURCES_DIR
 SOURCES = ("cpu/chunked_kv_cpu_ext.cpp", "cpu/chunked_kv_cpu_avx512bf16.cpp", "cpu/chunked_kv_cpu_avx512.cpp",
            "cpu/chunked_kv_cpu_avx2.cpp", "cpu/chunked_kv_cpu_scalar.cpp")  # under SOURCES_DIR
-HEADERS = ("common/chunked_kv_types.h", "common/chunked_kv_binding.h", "cpu/chunked_kv_cpu.h",
-           "cpu/chunked_kv_cpu_simd.h", "cpu/chunked_kv_cpu_tile.h", "cpu/chunked_kv_cpu_bf16.h",
-           "cpu/chunked_kv_cpu_block.h", "cpu/chunked_kv_cpu_attend.h", "cpu/chunked_kv_cpu_write.h",
-           "cpu/chunked_kv_cpu_plan.h")
+HEADERS = ("common/chunked_kv_types.h", "common/chunked_kv_args.h", "common/chunked_kv_binding.h",
+           "cpu/chunked_kv_cpu.h", "cpu/chunked_kv_cpu_simd.h", "cpu/chunked_kv_cpu_tile.h",
+           "cpu/chunked_kv_cpu_bf16.h", "cpu/chunked_kv_cpu_block.h", "cpu/chunked_kv_cpu_attend.h",
+           "cpu/chunked_kv_cpu_write.h", "cpu/chunked_kv_cpu_plan.h")
 NO_SINKS = torch.empty(0)  # `attend`'s sinks argument for a model without them
-MAX_TILE_ROWS = 128  # csrc/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
+MAX_TILE_ROWS = 128  # csrc/cpu/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
 
 _state: dict = {"tried": False, "module": None, "reason": None, "flags": None}

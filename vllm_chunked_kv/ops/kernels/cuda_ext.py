@@ -1,4 +1,4 @@
-"""The optional CUDA extension (``csrc/``): built on first use, only where it can run.
+"""The optional CUDA extension (``csrc/cuda/``, ``csrc/common/``): built on first use, only where it can run.
 
 `load()` JIT-builds and imports the extension with
 ``torch.utils.cpp_extension.load`` when a CUDA device is present, or when
@@ -49,9 +49,9 @@ BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
 
 SOURCES_DIR = jit.SOURCES_DIR
 SOURCES = ("cuda/chunked_kv_write.cu", "cuda/chunked_kv_attention.cu", "cuda/chunked_kv_ext.cpp")  # under SOURCES_DIR
-HEADERS = ("cuda/chunked_kv.h", "common/chunked_kv_types.h", "common/chunked_kv_binding.h",
-           "cuda/chunked_kv_common.cuh", "cuda/cpu_emulation.h")
-MAX_TILE_ROWS = 32  # csrc/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
+HEADERS = ("cuda/chunked_kv.h", "common/chunked_kv_types.h", "common/chunked_kv_args.h",
+           "common/chunked_kv_binding.h", "cuda/chunked_kv_common.cuh", "cuda/cpu_emulation.h")
+MAX_TILE_ROWS = 32  # csrc/cuda/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
 MAX_GROUP, MAX_HEAD_SIZE = 32, 256  # a decode tile within these fits an A100's or H100's shared memory
 
 _state: dict = {"tried": False, "module": None, "reason": None}
