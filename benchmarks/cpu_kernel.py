@@ -1,5 +1,5 @@
-"""The chunked KV ops alone on CPU: the C++ kernels (`ops/cpu_ext.py`) against
-the PyTorch path (`ops/compressed.py`) on the same pages, and the bytes the
+"""The chunked KV ops alone on CPU: the C++ kernels (`ops/kernels/cpu_ext.py`) against
+the PyTorch path (`ops/kernels/compressed.py`) on the same pages, and the bytes the
 attention reads per second against a memcpy of as many bytes.
 
 For each context and batch, pages are laid out as vLLM's managers would
@@ -10,7 +10,7 @@ decode token per request, or for the last `--prefill` tokens of one
 request (a prefill piece). Times are the median over `--repeat` steps of
 all layers, under `torch.inference_mode()` as in vLLM: the plan (once per
 step: for decode steps of the C++ kernels the device-side plan of
-`ops/decode_plan.py`, as the backend builds it, with the Python plan's
+`ops/plans/decode_plan.py`, as the backend builds it, with the Python plan's
 time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is
 the rows a decode step's attention reads (visible compressed slots and raw
 rows, keys and values, every KV head and layer) over its time; ``memcpy

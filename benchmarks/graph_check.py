@@ -5,7 +5,7 @@
 A Llama-3-8B-shaped stack of layers (32 query heads over 8 KV heads of 128,
 bf16, pages of 16 tokens) decodes `--steps` tokens per case (BATCHxCONTEXT),
 crossing chunk boundaries, as the backend runs a uniform decode batch: the
-device-side plan (`ops/decode_plan.py`), then per layer `write_raw`,
+device-side plan (`ops/plans/decode_plan.py`), then per layer `write_raw`,
 `write_chunks` and `attend`. One JSON line per result, appended as it comes:
 ``sync`` (after a warm-up, a whole step under `host_sync.no_host_sync`;
 on CUDA also ``set_sync_debug_mode("error")``), ``reference`` (every step's

@@ -1,4 +1,4 @@
-"""Contract of vllm_chunked_kv.ops.kernels.cpu_ext and the C++ CPU kernels (csrc/chunked_kv_cpu*).
+"""Contract of vllm_chunked_kv.ops.kernels.cpu_ext and the C++ CPU kernels (csrc/cpu/, csrc/common/).
 
 Loading:
 - the extension builds here (a C++ compiler is installed) and reports the

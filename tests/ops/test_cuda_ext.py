@@ -14,7 +14,7 @@ On any machine:
   against this torch's headers (syntax only: a CPU build of torch lacks one
   generated CUDA header, stubbed here, and the CUDA libraries).
 
-In the CPU emulation (csrc/cpu_emulation.h: the kernels' very source built
+In the CPU emulation (csrc/cuda/cpu_emulation.h: the kernels' very source built
 with g++, each block's threads run as fibers in a shuffled order between
 barriers, shared memory starting as NaN), through `schedule.run_schedule`
 with ``impl="cuda"``: every step's compressed rows equal
@@ -115,6 +115,7 @@ def test_missing_sources_are_a_reason_without_a_build(monkeypatch, tmp_path):
 
 def test_build_flags_follow_the_headers(monkeypatch, tmp_path):
     for name in cuda_ext.HEADERS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(CSRC / name, tmp_path / name)
     monkeypatch.setattr(cuda_ext, "SOURCES_DIR", tmp_path)
     before = cuda_ext.headers_digest()
@@ -143,6 +144,11 @@ def _cuda_include() -> Path | None:
                 None)
 
 
+def _object(name: str) -> str:
+    """The object file of source `name` (a path under csrc/): its file name + ``.o``."""
+    return f"{Path(name).name}.o"
+
+
 def _run_all(commands: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
     """Run the commands at the same time; their results in order."""
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
@@ -158,7 +164,7 @@ def _run_all(commands: list[list[str]], timeout: int = 300) -> list[subprocess.C
 def test_kernels_compile_with_nvcc(tmp_path):
     from torch.utils import cpp_extension
 
-    commands = [["nvcc", "-c", str(CSRC / name), "-o", str(tmp_path / f"{name}.o"), "-std=c++20", "-O3",
+    commands = [["nvcc", "-c", str(CSRC / name), "-o", str(tmp_path / _object(name)), "-std=c++20", "-O3",
                  *cpp_extension.COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC",  # as the JIT build compiles them
                  "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v"]
                 for name in KERNEL_SOURCES]
@@ -189,7 +195,7 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     cmd = ["g++", "-fsyntax-only", "-std=c++20", f"-I{tmp_path}", f"-I{torch_include}",
            f"-I{torch_include / 'torch/csrc/api/include'}", f"-I{_cuda_include()}",
            f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}", "-DTORCH_EXTENSION_NAME=chunked_kv_cuda",
-           str(CSRC / "chunked_kv_ext.cpp")]
+           str(CSRC / "cuda" / "chunked_kv_ext.cpp")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -199,7 +205,7 @@ def test_binding_compiles_against_torch_headers(tmp_path):
 
 def _compile_emulated(source_dir: Path, out_dir: Path, names, module: str = "chunked_kv_emulated") -> None:
     """Compile sources `names` of `source_dir` with g++ for the emulation
-    into ``out_dir/<name>.o``; the binding as extension `module`."""
+    into ``out_dir/<file name>.o``; the binding as extension `module`."""
     from torch.utils import cpp_extension
 
     torch_dir = Path(torch.__file__).parent
@@ -209,7 +215,7 @@ def _compile_emulated(source_dir: Path, out_dir: Path, names, module: str = "chu
     torch_flags = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
                    f"-I{sysconfig.get_paths()['include']}", f"-DTORCH_EXTENSION_NAME={module}"]
     commands = [["g++", *flags, *(torch_flags if name.endswith(".cpp") else ["-x", "c++"]), "-c",
-                 str(source_dir / name), "-o", str(out_dir / f"{name}.o")] for name in names]
+                 str(source_dir / name), "-o", str(out_dir / _object(name))] for name in names]
     for done in _run_all(commands):
         assert done.returncode == 0, done.stderr[-3000:]
 
@@ -241,8 +247,8 @@ def emulated_objects(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def emulated_module(emulated_objects):
-    """The extension built from csrc/ with g++ over csrc/cpu_emulation.h."""
-    return _link_emulated([emulated_objects / f"{name}.o" for name in cuda_ext.SOURCES],
+    """The extension built from csrc/ with g++ over csrc/cuda/cpu_emulation.h."""
+    return _link_emulated([emulated_objects / _object(name) for name in cuda_ext.SOURCES],
                           emulated_objects / "chunked_kv_emulated.so")
 
 
@@ -297,16 +303,16 @@ def test_emulated_cache_layouts(emulated, monkeypatch, layout):
 def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):
     """The emulation is strict enough to fail a race: the attention kernel
     without the barrier between its logits and its softmax fails the schedule."""
-    for path in CSRC.iterdir():
-        shutil.copy(path, tmp_path / path.name)
-    source = tmp_path / "chunked_kv_attention.cu"
+    sources = tmp_path / "csrc"
+    shutil.copytree(CSRC, sources)
+    source = sources / "cuda" / "chunked_kv_attention.cu"
     text = source.read_text()
     barrier = "      sh.p[r * kProbStride + n] = logit;\n    }\n    __syncthreads();\n"
     assert text.count(barrier) == 1
     source.write_text(text.replace(barrier, barrier.removesuffix("    __syncthreads();\n")))
-    rebuilt = ["chunked_kv_attention.cu", "chunked_kv_ext.cpp"]  # an extension of another name: Python
-    _compile_emulated(tmp_path, tmp_path, rebuilt, module="chunked_kv_racy")  # imports one name once
-    objects = [(tmp_path if name in rebuilt else emulated_objects) / f"{name}.o" for name in cuda_ext.SOURCES]
+    rebuilt = ["cuda/chunked_kv_attention.cu", "cuda/chunked_kv_ext.cpp"]  # an extension of another name: Python
+    _compile_emulated(sources, tmp_path, rebuilt, module="chunked_kv_racy")  # imports one name once
+    objects = [(tmp_path if name in rebuilt else emulated_objects) / _object(name) for name in cuda_ext.SOURCES]
     racy = _link_emulated(objects, tmp_path / "chunked_kv_racy.so")
     cuda_ext._state.update(tried=True, module=racy, reason=None)
     cfg = ChunkedKVConfig(**CONFIGS["none"])
