@@ -14,9 +14,18 @@ step: for decode steps of the C++ kernels the device-side plan of
 time beside it), `write_chunks` and `attend` per layer. ``read GB/s`` is
 the rows a decode step's attention reads (visible compressed slots and raw
 rows, keys and values, every KV head and layer) over its time; ``memcpy
-GB/s`` copies a buffer of the same size. ``vllm ms`` is vLLM's own CPU
-attention (its default CPU backend's kernel) for the same queries over the
-whole context, with no cache write (the C++ time includes `write_chunks`).
+GB/s`` copies a buffer of the same size; ``stream GB/s`` only reads one
+(a sum: what a read-only kernel can reach on these cores, where a memcpy
+also writes). ``vllm ms`` is vLLM's own CPU attention (its default CPU
+backend's kernel; ``isa`` is the path vLLM picks on this CPU: ``amx`` with
+matrix units, else ``vec`` or ``vec16``) for the same queries over the
+whole context, with no cache write (the C++ time includes `write_chunks`);
+``sdpa ms`` is torch's scaled_dot_product_attention over the whole context
+for the same queries, an anchor wherever torch runs. Prefill rows give
+each kernel's GFLOP/s: the multiply-adds of the rows it attends (the
+chunked kernel: sinks, sealed slots and the raw region of each query; vLLM
+and SDPA: every earlier position). ``--json`` writes every row with the
+CPU's model and instruction-set flags.
 With ``--cold`` each timed step
 starts after a 64 MB copy, so that its pages come from memory as in a
 model, whose weights pass through the caches between layers.
@@ -27,12 +36,16 @@ model, whose weights pass through the caches between layers.
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from vllm_chunked_kv.core import layout
+from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan
@@ -110,15 +123,15 @@ def time_vllm(context: int, batch: int, q_len: int, *, layers: int, heads: int, 
     """Median seconds of vLLM's own CPU attention (`cpu_attention_with_kv_cache`,
     the kernel of its default CPU backend) over all layers, for the same
     queries over the whole context (pages of `block_size` tokens, none
-    dropped), or None when this vLLM has no CPU attention op."""
+    dropped), or None when this vLLM has no CPU attention op (`vllm_isa`
+    names the path it takes)."""
     try:
         from vllm import _custom_ops as vllm_ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except ImportError:
         return None
     if not hasattr(vllm_ops, "cpu_attention_with_kv_cache"):
         return None
-    isa = _get_attn_isa(dtype, block_size, head_size)
+    isa = vllm_isa(dtype, head_size, block_size)
     pages = -(-context // block_size)
     gen = torch.Generator().manual_seed(2)
     caches = [torch.randn(batch * pages + 1, num_kv_heads, 2 * block_size, head_size, generator=gen).to(dtype)
@@ -144,6 +157,78 @@ def time_vllm(context: int, batch: int, q_len: int, *, layers: int, heads: int, 
                 block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def vllm_isa(dtype, head_size: int, block_size: int = 128) -> str | None:
+    """The path vLLM's CPU attention takes for these shapes on this CPU ("amx", "vec", "vec16"), or None."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    return _get_attn_isa(dtype, block_size, head_size)
+
+
+def time_sdpa(context: int, batch: int, q_len: int, *, layers: int, heads: int, num_kv_heads: int, head_size: int,
+              dtype, repeat: int, flush=None) -> float:
+    """Median seconds of torch's scaled_dot_product_attention over all layers,
+    each request's `q_len` last queries over its whole context (causal)."""
+    gen = torch.Generator().manual_seed(3)
+    kv = [torch.randn(2, batch, num_kv_heads, context, head_size, generator=gen).to(dtype) for _ in range(layers)]
+    query = torch.randn(batch, heads, q_len, head_size, generator=gen).to(dtype)
+    mask = None
+    if q_len > 1:  # query i sits at position context - q_len + i
+        mask = torch.arange(context)[None, :] <= torch.arange(context - q_len, context)[:, None]  # [L, context]
+    times = []
+    for _ in range(repeat + 1):
+        if flush is not None:
+            flush()
+        start = time.perf_counter()
+        for keys, values in kv:
+            F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def attention_flops(cfg: ChunkedKVConfig, context: int, q_len: int, *, batch: int, layers: int, heads: int,
+                    head_size: int) -> tuple[float, float]:
+    """Floating-point operations of a step's attention (logits and values,
+    2 per multiply-add): the chunked kernel's (each query's sinks, sealed
+    slots, grid origin 0, and raw region) and full attention's (every earlier position)."""
+    rows_per_chunk = 3 if cfg.keep_boundary else 1
+    chunked = full = 0
+    for t in range(context - q_len, context):
+        first_raw = grid.raw_from(cfg, t)
+        chunked += grid.num_sealed(cfg, t) * rows_per_chunk + (t + 1 - first_raw) + min(cfg.sink_tokens, first_raw)
+        full += t + 1
+    per_row = 2 * 2 * head_size * heads * batch * layers
+    return chunked * per_row, full * per_row
+
+
+def stream_read_bandwidth(nbytes: int, repeat: int) -> float:
+    """Bytes per second of reading `nbytes` (at least 64 MB, so that it streams from memory) once: a sum."""
+    data = torch.randn(max(nbytes, 64 << 20) // 4)
+    times = []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times[1:])
+
+
+def cpu_description() -> dict:
+    """The CPU's model and the flags that decide the kernels' paths (AMX, AVX-512 BF16, AVX-512, AVX2)."""
+    model, flags = platform.processor(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2")
+    return {"model": model, "flags": [flag for flag in wanted if flag in flags],
+            "torch_amx": torch.cpu._is_amx_tile_supported(), "torch_avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
 
 
 def memcpy_bandwidth(nbytes: int, repeat: int) -> float:
@@ -173,11 +258,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunked-kv", default="{\"chunk_size\": 4, \"window\": 128}")
+    parser.add_argument("--json", type=Path, help="write every row and the CPU's model and flags here")
     parser.add_argument("--cold", action="store_true",
                         help="copy a 64 MB buffer before each timed step, so that the pages come from memory, "
                              "as in a model whose weights pass through the caches between layers")
     args = parser.parse_args()
-    import json
 
     torch.set_num_threads(args.threads)
     cfg = ChunkedKVConfig(**json.loads(args.chunked_kv))
@@ -186,12 +271,17 @@ def main() -> None:
     if args.cold:
         junk, junk_out = torch.randn(16 << 20), torch.empty(16 << 20)  # 64 MB each, more than most L3 caches
         shape["flush"] = lambda: junk_out.copy_(junk)
+    cpu = cpu_description()
+    isa = vllm_isa(dtype, args.head_size)
+    print(f"cpu={cpu['model']!r} flags={','.join(cpu['flags'])} vllm isa={isa}")
     print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "
           f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name} cold={args.cold}")
     print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'py plan':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
-          f"{'vllm ms':>8} {'cpp/vllm':>8} {'read GB/s':>9} {'memcpy GB/s':>11} {'fraction':>8}")
+          f"{'vllm ms':>8} {'cpp/vllm':>8} {'sdpa ms':>8} {'cpp/sdpa':>8} {'isa':>5} "
+          f"{'read GB/s | cpp GF/s':>20} {'stream GB/s | vllm GF/s':>23} {'fraction | sdpa GF/s':>20}")
     cases = [("decode", b, 1) for b in args.batches]
     cases += [("prefill", args.prefill_batch, args.prefill)] if args.prefill else []
+    rows = []
     for kind, batch, q_len in cases:
         for context in args.contexts:
             if q_len > context:
@@ -200,17 +290,37 @@ def main() -> None:
                                        num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=dtype)
             torch_t = time_ops("torch", cfg, caches, paged, **shape)
             cpp_t = time_ops("cpp", cfg, caches, paged, **shape)
-            rate = cpp_t["bytes"] / cpp_t["step_s"]
-            vllm_s = time_vllm(context, batch, q_len, layers=args.layers, heads=args.heads,
-                               num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=dtype,
-                               repeat=args.repeat, flush=shape.get("flush"))
+            del caches
+            sizes = dict(layers=args.layers, heads=args.heads, num_kv_heads=args.kv_heads, head_size=args.head_size,
+                         dtype=dtype, repeat=args.repeat, flush=shape.get("flush"))
+            vllm_s = time_vllm(context, batch, q_len, **sizes)
+            sdpa_s = time_sdpa(context, batch, q_len, **sizes)
+            row = {"step": kind, "batch": batch, "q_len": q_len, "context": context, "plan_ms": cpp_t["plan_s"] * 1e3,
+                   "python_plan_ms": cpp_t["python_plan_s"] * 1e3, "torch_ms": torch_t["step_s"] * 1e3,
+                   "cpp_ms": cpp_t["step_s"] * 1e3, "vllm_ms": vllm_s and vllm_s * 1e3, "sdpa_ms": sdpa_s * 1e3,
+                   "vllm_isa": isa}
+            if kind == "decode":
+                row["read_gbs"] = cpp_t["bytes"] / cpp_t["step_s"] / 1e9
+                row["stream_gbs"] = stream_read_bandwidth(cpp_t["bytes"], args.repeat) / 1e9
+                row["memcpy_gbs"] = memcpy_bandwidth(cpp_t["bytes"], args.repeat) / 1e9
+                rates = (row["read_gbs"], row["stream_gbs"], row["read_gbs"] / row["stream_gbs"])
+            else:
+                chunked, full = attention_flops(cfg, context, q_len, batch=batch, layers=args.layers,
+                                                heads=args.heads, head_size=args.head_size)
+                row["cpp_gflops"] = chunked / cpp_t["step_s"] / 1e9
+                row["vllm_gflops"] = vllm_s and full / vllm_s / 1e9
+                row["sdpa_gflops"] = full / sdpa_s / 1e9
+                rates = (row["cpp_gflops"], row["vllm_gflops"] or float("nan"), row["sdpa_gflops"])
+            rows.append(row)
             vllm = f"{vllm_s * 1e3:>8.2f} {cpp_t['step_s'] / vllm_s:>8.2f}" if vllm_s else f"{'-':>8} {'-':>8}"
-            copy = memcpy_bandwidth(cpp_t["bytes"], args.repeat)
             label = f"{kind} b={batch}" if kind == "decode" else f"prefill {batch}x{q_len}"
-            reads = f"{rate / 1e9:>9.2f} {copy / 1e9:>11.2f} {rate / copy:>8.2f}" if kind == "decode" else ""
-            print(f"{label:>14} {context:>7} {cpp_t['plan_s'] * 1e3:>8.2f} {cpp_t['python_plan_s'] * 1e3:>8.2f} "
-                  f"{torch_t['step_s'] * 1e3:>9.2f} {cpp_t['step_s'] * 1e3:>8.2f} "
-                  f"{torch_t['step_s'] / cpp_t['step_s']:>7.2f} {vllm} {reads}", flush=True)
+            print(f"{label:>14} {context:>7} {row['plan_ms']:>8.2f} {row['python_plan_ms']:>8.2f} "
+                  f"{row['torch_ms']:>9.2f} {row['cpp_ms']:>8.2f} {torch_t['step_s'] / cpp_t['step_s']:>7.2f} {vllm} "
+                  f"{row['sdpa_ms']:>8.2f} {cpp_t['step_s'] / sdpa_s:>8.2f} {isa or '-':>5} "
+                  f"{rates[0]:>20.2f} {rates[1]:>23.2f} {rates[2]:>20.2f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"command": vars(args) | {"json": str(args.json)}, "cpu": cpu,
+                                         "ops": dispatch.ops("cpp").name, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
