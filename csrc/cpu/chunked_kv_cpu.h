@@ -15,6 +15,8 @@
 
 #include <stdint.h>
 
+#include <atomic>
+
 #include "../common/chunked_kv_args.h"
 
 namespace chunked_kv_cpu {
@@ -32,6 +34,22 @@ struct KernelTable {
   void (*attend)(const AttendArgs&);
   void (*merge_splits)(const MergeArgs&);
 };
+
+// Matrix products through a library: oneDNN's batch-reduce GEMM as ATen
+// exposes it (at::native::cpublas::brgemm), which runs on the matrix units
+// (AMX) where the CPU has them. The binding fills it; the kernels, free of
+// torch headers, call it for the query x key and probability x value
+// products of multi-token bf16 tiles (chunked_kv_cpu_library.h).
+// C[M, N] (+)= A[M, K] . B[K, N], bf16 in, fp32 out, row-major with leading
+// dimensions lda, ldb, ldc; B in VNNI pairs [K / 2][N][2] when `vnni`.
+struct LibraryGemm {
+  void (*bf16)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+               const uint16_t* a, const uint16_t* b, float* c, bool vnni);
+  void (*release)(bool vnni);  // frees the thread's matrix-unit state after its products
+  bool vnni;
+};
+extern const LibraryGemm* g_library;       // null: the hand-written tiles for every product
+extern std::atomic<int64_t> g_library_tiles;  // tiles whose products went through the library
 
 extern const KernelTable kAvx512Bf16Table;
 extern const KernelTable kAvx512Table;

@@ -162,9 +162,11 @@ static void load_queries(const AttendArgs& a, Tile& t, const int64_t* tokens, in
   }
 }
 
+constexpr int kPairTile = 1, kLibraryTile = 2;  // what attend_item reports
+
 template <typename TC, typename TS>
-// Returns whether the tile's values took bf16 pair products.
-static bool attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int64_t tile, int head, int split) {
+// Returns kPairTile if the tile's values took bf16 pair products, kLibraryTile if its products went through the library.
+static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int64_t tile, int head, int split) {
   const int group = a.num_heads / a.num_kv_heads;
   const int64_t q_row = row * a.num_q, first = tile * a.tile_q;
   const int64_t* tokens = a.query_index + q_row + first;
@@ -186,6 +188,11 @@ static bool attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
 #else
   t.dot_bf16 = t.pairs = false;
 #endif
+  t.library = g_library != nullptr && t.packed && a.query_is_bf16 && IsBf16<TC>::value && IsBf16<TS>::value;
+  if (t.library) {
+    t.dot_bf16 = true;  // the GEMM reads the bf16 queries
+    t.pairs = false;
+  }
   load_queries(a, t, tokens, head);
   if (a.sinks && split == 0)  // a learned sink logit: in the denominator from the start, no value
     for (int r = 0; r < t.rows; ++r) {
@@ -244,7 +251,8 @@ static bool attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int
     a.part_ml[flat] = t.m[r];
     a.part_ml[(int64_t)a.num_splits * a.num_tokens * a.num_heads + flat] = t.l[r];
   }
-  return t.pairs;
+  if (t.library) g_library->release(g_library->vnni);
+  return (t.pairs ? kPairTile : 0) | (t.library ? kLibraryTile : 0);
 }
 
 struct TileBuffers {
@@ -257,7 +265,8 @@ static TileBuffers make_buffers(const AttendArgs& a) {
   const int rows = kMaxTileRows, dp = round_up(a.head_d, W), dvp = round_up(a.head_dv, W);
   const size_t q = rows * dp, qb = rows * round_up(a.head_d, 32), acc = rows * dvp, kt = dp * kBlockKeys,
                vp = kBlockKeys * dvp;
-  const size_t bytes = sizeof(Tile) + sizeof(Block) + 4 * (q + acc + kt + vp) + 2 * qb + 256;
+  const size_t pb = rows * kBlockKeys;  // bf16 probabilities (library)
+  const size_t bytes = sizeof(Tile) + sizeof(Block) + 4 * (q + acc + kt + vp) + 2 * (qb + pb) + 256;
   char* mem = static_cast<char*>(calloc(1, bytes));
   Tile* t = reinterpret_cast<Tile*>(mem);
   Block* b = reinterpret_cast<Block*>(mem + sizeof(Tile));
@@ -267,6 +276,7 @@ static TileBuffers make_buffers(const AttendArgs& a) {
   t->kt = t->acc + acc;
   t->vp = t->kt + kt;
   t->q_bf16 = reinterpret_cast<uint16_t*>(t->vp + vp);
+  t->p_bf16 = t->q_bf16 + qb;
   t->group = a.num_heads / a.num_kv_heads;
   t->head_d = a.head_d;
   t->head_dv = a.head_dv;
@@ -281,8 +291,8 @@ template <typename TC, typename TS>
 static void attend_typed(const AttendArgs& a) {
   const int64_t tiles = (a.num_q + a.tile_q - 1) / a.tile_q;
   const int64_t items = a.num_rows * tiles * a.num_kv_heads * a.num_splits;
-  int64_t pairs = 0;
-#pragma omp parallel num_threads(a.num_threads) reduction(+ : pairs)
+  int64_t pairs = 0, library = 0;
+#pragma omp parallel num_threads(a.num_threads) reduction(+ : pairs, library)
   {
     TileBuffers buf = make_buffers(a);
 #pragma omp for schedule(dynamic, 1)
@@ -291,11 +301,14 @@ static void attend_typed(const AttendArgs& a) {
       const int64_t rest = item / a.num_splits;
       const int head = static_cast<int>(rest % a.num_kv_heads);
       const int64_t row_tile = rest / a.num_kv_heads;
-      pairs += attend_item<TC, TS>(a, *buf.tile, *buf.block, row_tile / tiles, row_tile % tiles, head, split);
+      const int kind = attend_item<TC, TS>(a, *buf.tile, *buf.block, row_tile / tiles, row_tile % tiles, head, split);
+      pairs += (kind & kPairTile) != 0;
+      library += (kind & kLibraryTile) != 0;
     }
     free(buf.memory);
   }
   if (a.pair_tiles) *a.pair_tiles += pairs;
+  g_library_tiles += library;
 }
 
 static void merge_splits_impl(const MergeArgs& a) {

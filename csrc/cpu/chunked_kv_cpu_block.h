@@ -22,10 +22,14 @@
 //    dot product (chunked_kv_cpu_bf16.h), others in fp32 (packed for
 //    multi-token tiles).
 //
+// Multi-token bf16 tiles may take both products through the library GEMM
+// instead (chunked_kv_cpu_library.h); the softmax stays here.
+//
 // The tile and block types: chunked_kv_cpu_tile.h.
 #pragma once
 
 #include "chunked_kv_cpu_bf16.h"
+#include "chunked_kv_cpu_library.h"
 #include "chunked_kv_cpu_tile.h"
 
 namespace chunked_kv_cpu {
@@ -132,6 +136,7 @@ static inline void packed_logits(Tile& t, int r0) {  // t.p[r0 .. r0+NR) = q @ k
 
 template <typename T>
 static void block_logits(Tile& t, const Block& b) {
+  if (t.library) return library_logits(t, b);
   if (t.packed) {
 #if defined(CHUNKED_KV_AVX512_BF16)
     if constexpr (IsBf16<T>::value) {
@@ -222,6 +227,7 @@ static inline void pv_rows(Tile& t, const Block& b, int r0, const T* const* valu
 
 template <typename T>
 static void block_values(Tile& t, const Block& b) {
+  if (t.library) return library_values(t);
 #if defined(CHUNKED_KV_AVX512_BF16)
   if constexpr (IsBf16<T>::value) {
     if (t.pairs)

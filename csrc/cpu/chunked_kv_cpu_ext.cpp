@@ -7,6 +7,7 @@
 // into these calls.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -17,6 +18,11 @@
 #include "../common/chunked_kv_binding.h"
 #include "chunked_kv_cpu.h"
 #include "chunked_kv_cpu_plan.h"
+
+namespace chunked_kv_cpu {
+const LibraryGemm* g_library = nullptr;
+std::atomic<int64_t> g_library_tiles{0};
+}  // namespace chunked_kv_cpu
 
 namespace {
 
@@ -187,6 +193,38 @@ std::vector<Tensor> decode_plan(const Tensor& seq_lens, const Tensor& block_tabl
                                       {chunk_size, hop, window, sink_tokens, slots_per_group}, raw_cols, zero_width);
 }
 
+// The library GEMM of chunked_kv_cpu.h: oneDNN's batch-reduce GEMM through ATen.
+void library_bf16(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                  const uint16_t* a, const uint16_t* b, float* c, bool vnni) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add_c, reinterpret_cast<const at::BFloat16*>(a),
+                              reinterpret_cast<const at::BFloat16*>(b), c, vnni);
+}
+
+void library_release(bool vnni) { at::native::cpublas::brgemm_release(vnni); }
+
+chunked_kv_cpu::LibraryGemm g_library_gemm{library_bf16, library_release, false};
+std::string g_gemm_mode = "auto";
+
+// Whether this CPU has the matrix units the library packs for (AMX: VNNI-packed bf16 tiles).
+bool matrix_units() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// Which path multi-token bf16 tiles take: "library" (oneDNN's batch-reduce
+// GEMM), "tiles" (the hand-written register tiles) or "auto" (the library
+// where the CPU has matrix units, else the tiles).
+void set_gemm(const std::string& mode) {
+  TORCH_CHECK(mode == "auto" || mode == "library" || mode == "tiles", "chunked_kv: gemm mode must be auto, library "
+              "or tiles, not ", mode);
+  g_gemm_mode = mode;
+  const bool library = mode == "library" || (mode == "auto" && matrix_units());
+  g_library_gemm.vnni = matrix_units();
+  chunked_kv_cpu::g_library = library ? &g_library_gemm : nullptr;
+}
+
+std::string gemm_path() {
+  if (chunked_kv_cpu::g_library == nullptr) return std::string("register tiles (") + table().isa + ")";
+  return matrix_units() ? "oneDNN brgemm on the matrix units (AMX)" : "oneDNN brgemm (no matrix units)";
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
   for (const KernelTable* t : supported_tables()) names.emplace_back(t->isa);
@@ -204,6 +242,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_value_tiles", [] { return g_pair_tiles.load(); },
         "attention tiles so far whose values took bf16 pair products (AVX-512 BF16)");
   m.def("merge_splits", &merge_splits, "Merge split partial softmaxes into out");
+  m.def("set_gemm", &set_gemm, "Products of multi-token bf16 tiles: auto, library (oneDNN brgemm) or tiles");
+  m.def("gemm_mode", [] { return g_gemm_mode; }, "The mode set_gemm was given");
+  m.def("gemm_path", &gemm_path, "The path multi-token bf16 tiles take");
+  m.def("matrix_units", &matrix_units, "Whether oneDNN packs bf16 for matrix units (AMX) on this CPU");
+  m.def("library_tiles", [] { return chunked_kv_cpu::g_library_tiles.load(); },
+        "attention tiles so far whose products went through the library GEMM");
   m.def("isa", [] { return std::string(table().isa); }, "The instruction set whose kernels run");
   m.def("set_isa", &set_isa, "Run the kernels of this instruction set (one of supported_isas())");
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU can run, widest first");

@@ -19,6 +19,7 @@ struct Tile {
   int rows, group;  // query rows; query row r is query r / group
   int head_d, head_dv, dp, dvp;  // head sizes, padded to whole vectors
   bool packed, dot_bf16;
+  bool library;  // products through the library GEMM (chunked_kv_cpu_library.h)
   bool pairs;  // acc holds each 32 dims in bf16 pair order (pv_pairs; unpair_rows restores it)
   float post_scale;  // the softmax scale, applied to bf16 dot products (the fp32 queries carry it)
   float softcap;     // the model's logit cap (0: none), applied before the block's bias
@@ -26,7 +27,8 @@ struct Tile {
   uint16_t* q_bf16;  // [rows, round_up(head_d, 32)] bf16 queries, unscaled (dot_bf16 only)
   float* acc;        // [rows, dvp]
   float* kt;         // [dp, kBlockKeys] packed keys, transposed (bf16 pairs [dp / 2, kBlockKeys] if dot_bf16)
-  float* vp;         // [kBlockKeys, dvp] packed values
+  float* vp;         // [kBlockKeys, dvp] packed values (bf16 [kBlockKeys, head_dv] for the library)
+  uint16_t* p_bf16;  // [rows, kBlockKeys] probabilities in bf16 (library only)
   float m[kMaxTileRows], l[kMaxTileRows];
   float p[kMaxTileRows][kBlockKeys];  // logits, then probabilities
   const void* ahead[kBlockKeys];      // the next block's rows, fetched while this one is folded

@@ -266,6 +266,57 @@ def test_bf16_prefill_tiles_take_bf16_products(module, isa, head_size):
     assert not torch.equal(outs["avx512bf16"], outs["avx512"])
 
 
+@pytest.fixture
+def gemm(module):
+    """Set the path of multi-token bf16 tiles' products for one test; `auto` again afterwards."""
+    yield module.set_gemm
+    module.set_gemm("auto")
+
+
+@pytest.mark.parametrize("head_size", [64, 9, 96])
+def test_library_products_equal_the_reference(module, gemm, head_size):
+    """Forced onto the library GEMM (oneDNN's batch-reduce GEMM; on a CPU
+    without matrix units in plain layout, with them in VNNI pairs), bf16
+    multi-token tiles take both products there (counted by `library_tiles`),
+    odd head sizes included, and stay within bf16 tolerance of the
+    reference; few-row tiles (decodes) keep the register tiles; `tiles`
+    takes none."""
+    args, want = schedule.bf16_prefill_step(head_size)
+    for mode, block_m, takes in (("library", 10, True), ("library", 1, False), ("tiles", 10, False)):
+        gemm(mode)
+        out = torch.full(args[0].shape, float("nan"))
+        before = module.library_tiles()
+        cpu_ext.attend(*args, out=out, block_m=block_m)
+        torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+        assert (module.library_tiles() > before) == takes, (mode, block_m)
+
+
+def test_auto_takes_the_matrix_units_where_they_are(module, gemm):
+    """`auto` (the default) sends multi-token bf16 tiles to the library GEMM
+    exactly where oneDNN packs for matrix units (AMX), and says so."""
+    gemm("auto")
+    args, _ = schedule.bf16_prefill_step(64)
+    before = module.library_tiles()
+    cpu_ext.attend(*args, out=torch.empty(args[0].shape), block_m=10)
+    assert (module.library_tiles() > before) == module.matrix_units()
+    assert ("AMX" in module.gemm_path()) == module.matrix_units()
+    if not module.matrix_units():
+        pytest.skip("this CPU has no matrix units (AMX): the register tiles ran, as they should; "
+                    "the matrix-unit path itself is untested here")
+
+
+@pytest.mark.parametrize("name", ["none", "boundary-gated", "overlap-key_norm", "stagger-heads"])
+def test_library_path_on_the_schedule_harness(module, gemm, name):
+    """Through the schedule harness (bf16 pages, prefill pieces, prefix hits,
+    preemption), the library path equals the reference as the tiles do."""
+    gemm("library")
+    before = module.library_tiles()
+    cfg = ChunkedKVConfig(**schedule.CONFIGS[name])
+    assert run_schedule(cfg, kernel_lengths(cfg, 5), seed=5, impl="cpp", group=4, dtype=torch.bfloat16,
+                        tol=TOLERANCE[torch.bfloat16], attend_kwargs=dict(block_m=5)) > 4  # 20-row tiles
+    assert module.library_tiles() > before
+
+
 @pytest.mark.parametrize("head_size, block_m", [(64, 1), (96, 2), (64, 10)])
 def test_bf16_tiles_take_bf16_value_pairs(module, isa, head_size, block_m):
     """On AVX-512 BF16, a bf16 tile whose value head is a multiple of 32

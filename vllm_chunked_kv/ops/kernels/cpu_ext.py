@@ -11,6 +11,12 @@ the dispatcher falls back to the PyTorch path.
 The kernels are compiled once per instruction set (AVX-512 with BF16 dot
 products, AVX-512, AVX2, scalar) and the widest this CPU supports runs;
 ``CHUNKED_KV_CPU_ISA`` names another (tests), `describe()` reports which.
+The two products of a multi-token bf16 tile (prefill pieces) go through
+oneDNN's batch-reduce GEMM as ATen exposes it, on the matrix units, where
+the CPU has them (AMX); elsewhere the hand-written register tiles are
+faster and run. ``CHUNKED_KV_CPU_GEMM`` = ``auto`` | ``library`` |
+``tiles`` forces one (the library runs on any CPU, without matrix units
+slower: tests).
 
 `write_chunks` and `attend` have the signatures and semantics of
 `compressed.write_chunks` / `compressed.attend` (visibility from the plan's
@@ -41,13 +47,14 @@ from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan, d
 
 BUILD_ENV = "CHUNKED_KV_BUILD_CPP"
 ISA_ENV = "CHUNKED_KV_CPU_ISA"
+GEMM_ENV = "CHUNKED_KV_CPU_GEMM"  # auto | library | tiles: the products of multi-token bf16 tiles
 SOURCES_DIR: Path = jit.SOURCES_DIR
 SOURCES = ("cpu/chunked_kv_cpu_ext.cpp", "cpu/chunked_kv_cpu_avx512bf16.cpp", "cpu/chunked_kv_cpu_avx512.cpp",
            "cpu/chunked_kv_cpu_avx2.cpp", "cpu/chunked_kv_cpu_scalar.cpp")  # under SOURCES_DIR
 HEADERS = ("common/chunked_kv_types.h", "common/chunked_kv_args.h", "common/chunked_kv_binding.h",
            "cpu/chunked_kv_cpu.h", "cpu/chunked_kv_cpu_simd.h", "cpu/chunked_kv_cpu_tile.h",
            "cpu/chunked_kv_cpu_bf16.h", "cpu/chunked_kv_cpu_block.h", "cpu/chunked_kv_cpu_attend.h",
-           "cpu/chunked_kv_cpu_write.h", "cpu/chunked_kv_cpu_plan.h")
+           "cpu/chunked_kv_cpu_write.h", "cpu/chunked_kv_cpu_plan.h", "cpu/chunked_kv_cpu_library.h")
 NO_SINKS = torch.empty(0)  # `attend`'s sinks argument for a model without them
 MAX_TILE_ROWS = 128  # csrc/cpu/chunked_kv_cpu.h kMaxTileRows: query rows of a tile (queries x GQA group)
 MAX_HEAD_SIZE_V, MAX_CHUNK = 1024, 256
@@ -90,6 +97,7 @@ def _build() -> ModuleType:
     isa = os.environ.get(ISA_ENV, "").strip()
     if isa:
         module.set_isa(isa)
+    module.set_gemm(os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto")
     _state["flags"] = flags
     return module
 
@@ -119,8 +127,9 @@ def describe() -> str:
     module = load()
     if module is None:
         return f"unavailable: {_state['reason']}"
-    return (f"{module.isa()} kernels (this CPU: {', '.join(module.supported_isas())}), {torch.get_num_threads()} "
-            f"OpenMP threads, flags {' '.join(_state['flags'])}, {module.__file__}")
+    return (f"{module.isa()} kernels (this CPU: {', '.join(module.supported_isas())}), prefill products on "
+            f"{module.gemm_path()}, {torch.get_num_threads()} OpenMP threads, flags {' '.join(_state['flags'])}, "
+            f"{module.__file__}")
 
 
 def _module() -> ModuleType:
