@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vllm_chunked_kv.demo.cli", "show the periodic weak spot and its mitigations on the shipped demo model"),
     "scan": ("vllm_chunked_kv.scan.cli", "sweep offsets, needle positions and prompt lengths against an endpoint"),
     "check": ("vllm_chunked_kv.scan.check_cli", "ask one prompt with 0..2*hop-1 filler units in front and at the end"),
-    "quickstart": ("vllm_chunked_kv.commands.quickstart", "serve a tiny local model with chunked_kv and ask it one question"),
+    "quickstart": ("vllm_chunked_kv.commands.quickstart", "serve the shipped demo model with chunked_kv and check its answer to one lookup"),
     "build-test-models": ("vllm_chunked_kv.models.tiny", "build the tiny random-weight test models"),
     "models": ("vllm_chunked_kv.models.cli", "fetch a real model (checked, converted to bf16) and print its directory"),
     "adapt": ("vllm_chunked_kv.adapt.cli", "fine-tune a model to read its chunked KV cache (LoRA + distillation)"),
