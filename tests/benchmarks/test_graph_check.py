@@ -63,7 +63,7 @@ def _per_call_gains(cfg, device):
 
 @pytest.mark.parametrize("module, name, replacement", [
     ("vllm_chunked_kv.ops.plans.constants", "ints", _per_call_constant),
-    ("vllm_chunked_kv.ops.kernels.compressed", "fixed_gains", _per_call_gains),
+    ("vllm_chunked_kv.ops.kernels.shared", "fixed_gains", _per_call_gains),
 ])
 def test_sync_check_catches_a_tensor_from_host_data(graph_check, monkeypatch, module, name, replacement):
     monkeypatch.setattr(sys.modules[module] if module in sys.modules else __import__(module, fromlist=[name]),
