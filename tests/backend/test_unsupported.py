@@ -62,14 +62,21 @@ def sliding_window_model(tiny_qwen, tmp_path_factory):
     return path
 
 
+PER_KIND = ["--attention-config", json.dumps({"backend_per_kind": {"full_attention": "CHUNKED_KV"}})]
+PER_KIND_SPECULATIVE = "speculative decoding, CHUNKED_KV per kind"
+
+
 @pytest.fixture(scope="module")
 def failures(tiny_llama, sliding_window_model):
     def run(case):
+        if case == PER_KIND_SPECULATIVE:
+            return run_serve_expecting_failure(tiny_llama, PER_KIND + CASES["speculative decoding"][0])
         model = sliding_window_model if case == "model sliding window" else tiny_llama
         return run_serve_expecting_failure(model, CHUNKED + CASES[case][0])
 
+    cases = [*CASES, PER_KIND_SPECULATIVE]
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(CASES, pool.map(run, CASES)))
+        return dict(zip(cases, pool.map(run, cases)))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -83,18 +90,16 @@ def test_unsupported_combination_is_one_line(case, failures):
     assert CASES[case][1] in error_lines[0]
 
 
-PER_KIND = ["--attention-config", json.dumps({"backend_per_kind": {"full_attention": "CHUNKED_KV"}})]
+def _errors(proc) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
 
 
-def test_the_per_kind_route_gets_the_same_checks(tiny_llama, failures):
+def test_the_per_kind_route_gets_the_same_checks(failures):
     """CHUNKED_KV chosen per KV-cache group kind, not by --attention-backend:
     speculative decoding is refused with the very line of the other route."""
-    args = CASES["speculative decoding"][0]
-    proc = run_serve_expecting_failure(tiny_llama, PER_KIND + args)
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
-    expected = [line for line in (failures["speculative decoding"].stdout + failures["speculative decoding"].stderr)
-                .splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and errors == expected and len(errors) == 1
+    proc = failures[PER_KIND_SPECULATIVE]
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert _errors(proc) == _errors(failures["speculative decoding"]) and len(_errors(proc)) == 1
 
 
 @pytest.mark.parametrize("case", [case for case, (args, _) in CASES.items() if "--additional-config" not in args])
