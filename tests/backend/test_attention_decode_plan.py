@@ -41,7 +41,7 @@ def _builder(device_plan: bool, cfg: ChunkedKVConfig | None = None) -> ChunkedKV
     builder.config, builder.shift_buffer, builder.vllm_config = cfg or ChunkedKVConfig(), None, object()
     builder.ops = dispatch.Ops("cpp", None, None, None)  # reads no bias; no native planner: tensor ops
     builder.grids = {"layers.0.attn": LayerGrid((0, 2), builder.config, "layers.0.attn.chunked_kv_raw")}
-    builder.link = StepLink()
+    builder.link, builder.static = StepLink(), None
     return builder
 
 

@@ -47,6 +47,7 @@ from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan
 from vllm_chunked_kv.backend.raw_cache import PagedRows, RawPagesMetadata, attach_raw_pages
 from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings, step_link
 from vllm_chunked_kv.backend.layer_grid import layer_grids
+from vllm_chunked_kv.backend.static_plans import StaticPlans
 
 logger = init_logger("vllm.chunked_kv.backend")  # under "vllm" so it uses vLLM's log handler
 
@@ -200,6 +201,9 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         self.device_decode_plan = decode_plan_on_device(device, impl, self.config)
         self.grids = layer_grids(self.config, layer_names, kv_cache_spec.num_kv_heads, model.get_total_num_kv_heads())
         self.link = step_link.link_for(vllm_config)
+        self.static = None  # full CUDA graphs of decode steps read the plan at fixed addresses
+        if self.device_decode_plan and torch.device(device).type == "cuda":
+            self.static = StaticPlans(vllm_config.scheduler_config.max_num_seqs)
         self.shift_buffer = None  # [max_num_seqs] device copy of the grid shifts (`align`)
         if self.config.align != "none" and torch.device(device).type != "cpu":
             self.shift_buffer = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.long, device=device)
@@ -255,15 +259,19 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
     def complete(self, metadata: ChunkedKVMetadata, raw_by_layer: dict[str, RawPagesMetadata]) -> bool:
         """Plan every layer of `metadata` once the raw pages' metadata of the
         same step is in `raw_by_layer` (by companion name); whether it could.
-        Layers with the same grid and raw group share one plan."""
+        Layers with the same grid and raw group share one plan (a decode
+        plan for CUDA graphs held at fixed addresses, `static_plans`)."""
         if any(grid.raw_name not in raw_by_layer for grid in self.grids.values()):
             return False
         plans: dict[tuple, StepPlan] = {}
+        group_name: dict[int, str] = {}  # raw metadata -> its first layer's name: the same every step
         for name, grid in self.grids.items():
             raw = raw_by_layer[grid.raw_name]
-            key = (grid.origins, id(raw))
+            key = (grid.origins, group_name.setdefault(id(raw), grid.raw_name))
             if key not in plans:
                 plans[key] = self._plan(metadata, raw, grid.origins)
+                if self.static is not None and metadata.device_seq_lens is not None:
+                    plans[key] = self.static.hold(key, plans[key], metadata.device_seq_lens.shape[0])
             metadata.layers[name] = LayerStep(plans[key], raw, grid.cfg)
         return True
 
