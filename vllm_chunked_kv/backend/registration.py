@@ -30,8 +30,6 @@ vLLM is not the release this package was tested with.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vllm_chunked_kv.backend import BACKEND_NAME, BACKEND_PATH, alignment, compat, serves_some_layer
 
 
@@ -119,11 +117,10 @@ def _take_serve_file(vllm_config) -> str:
 
 def _log_unused_serve_file(vllm_config) -> None:
     """One line when the model directory carries a serve file but no route gives CHUNKED_KV a layer."""
-    from vllm_chunked_kv.core.serve_file import SERVE_FILE
+    from vllm_chunked_kv.core.serve_file import serve_file_of
 
-    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
-    path = Path(str(model)) / SERVE_FILE if model else None
-    if path is not None and path.is_file():
+    path = serve_file_of(getattr(getattr(vllm_config, "model_config", None), "model", None))
+    if path is not None:
         from vllm.logger import init_logger
 
         init_logger("vllm.chunked_kv.config").info_once(

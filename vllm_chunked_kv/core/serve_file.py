@@ -69,6 +69,12 @@ def serve_arguments(model_dir: Path) -> list[str]:
     return ["--attention-backend", meta["attention_backend"], "--additional-config", json.dumps(meta["additional_config"])]
 
 
+def serve_file_of(model: str | None) -> Path | None:
+    """The model directory's `chunked_kv_serve.json`, or None when it has none."""
+    path = Path(str(model)) / SERVE_FILE if model else None
+    return path if path is not None and path.is_file() else None
+
+
 def settings_source(additional_config: Mapping | None, model: str | None) -> tuple[dict | None, str]:
     """Where a server's chunked_kv settings come from: ``(additions, source)``.
 
@@ -78,8 +84,8 @@ def settings_source(additional_config: Mapping | None, model: str | None) -> tup
     file is the source: its section, and under `TAKEN_FROM` the file's path,
     so that a process that reads the config again (vLLM's engine core does)
     still names the file; else None. `source` is one line for the startup log."""
-    path = Path(str(model)) / SERVE_FILE if model else None
-    has_file = path is not None and path.is_file()
+    path = serve_file_of(model)
+    has_file = path is not None
     from_file = f'settings from {path} (no "{ADDITIONAL_CONFIG_KEY}" section in --additional-config)'
     if isinstance(additional_config, Mapping) and ADDITIONAL_CONFIG_KEY in additional_config:
         if has_file and additional_config.get(TAKEN_FROM) == str(path):
