@@ -14,6 +14,9 @@ one of your own). For each row and server it reports what `vllm bench serve`
 measured (output tokens/s, TTFT and TPOT p50/p99) and what the engine's own
 periodic log line says (the most requests running at once, the mean prompt and
 generation tokens/s while busy), the preemptions vLLM counted and the KV budget.
+The results name the CPU (model, AMX / AVX-512 flags) and the path vLLM's default
+CPU attention takes on it for the model's head size (`amx` or `vec`), since the
+default's speed, and so every ratio, depends on it.
 
 `--scaling` adds, per row, a third run: the default backend with a KV budget that
 does not bind (`--scaling-budget`) and its concurrency capped at what the chunked
@@ -34,6 +37,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from cpu_kernel import cpu_description, vllm_isa  # benchmarks/: run as a script
 
 from vllm_chunked_kv.runner.server import VllmServer, vllm_executable
 
@@ -151,6 +156,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def default_isa(model_dir: str, dtype: str) -> str | None:
+    """The path vLLM's default CPU attention takes for this model (its head size,
+    the CPU platform's 128-token pages) on this CPU."""
+    import torch
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return vllm_isa(getattr(torch, dtype), head_size)
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.input_len:
@@ -158,12 +174,15 @@ def main(argv=None) -> int:
     else:
         names = list(ROWS) if opts.rows == "all" else opts.rows.split(",")
         rows = {name: ROWS[name] for name in names}
-    results = {"model": opts.model, "dtype": opts.dtype, "seed": opts.seed,
+    results = {"model": opts.model, "dtype": opts.dtype, "seed": opts.seed, "cpu": cpu_description(),
+               "default_isa": default_isa(opts.model, opts.dtype),
                "command": " ".join(["python", "benchmarks/serve_load.py", *(sys.argv[1:] if argv is None else argv)]),
                "rows": [run_row(opts, name, row) for name, row in rows.items()]}
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"cpu={results['cpu']['model']!r} flags={','.join(results['cpu']['flags'])} "
+          f"default isa={results['default_isa']}")
     for r in results["rows"]:
         d, c = r["default"], r["chunked"]
         print(f"{r['row']:>18}: running {d['max_running']} -> {c['max_running']}, output tok/s "
