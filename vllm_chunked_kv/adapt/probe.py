@@ -15,6 +15,7 @@ import random
 
 import torch
 
+from vllm_chunked_kv.adapt.data import bos_id, encode
 from vllm_chunked_kv.tasks import prose_codes
 
 
@@ -22,21 +23,27 @@ def _cycled(ids: list[int], count: int) -> list[int]:
     return list(itertools.islice(itertools.cycle(ids), count))
 
 
+def span(min_distance: int) -> tuple[int, int]:
+    """The needle positions of the probe for rows whose facts sit `min_distance` or more
+    back: (40, 400) for the default 160, longer prompts for farther facts."""
+    return 40, max(400, 2 * min_distance + 120)
+
+
 def needle_prompts(tokenizer, count: int, span: tuple[int, int] = (40, 400), seed: int = 0):
     """[(prompt ids, answer ids)]: needles at positions drawn from `span`, prompts
     padded to the same length (the record then sits >= the template's tail from the end)."""
     rng = random.Random(f"adapt-probe:{seed}")
     lines = prose_codes.task_lines(max(count, 1), seed=1)  # not the shipped file's seed
-    out = []
+    out, bos = [], bos_id(tokenizer)
     for line in lines[:count]:
         head, tail = line["template"].split("{record}")
-        head_ids, tail_ids = tokenizer.encode(head), tokenizer.encode(tail)
-        record_ids, filler_ids = tokenizer.encode(line["record"]), tokenizer.encode(line["filler"])
+        head_ids, tail_ids = encode(tokenizer, head), encode(tokenizer, tail)
+        record_ids, filler_ids = encode(tokenizer, line["record"]), encode(tokenizer, line["filler"])
         position = rng.randint(*span)
         before = max(position - len(head_ids), 0)
         after = span[1] - len(head_ids) - before
         prompt = head_ids + _cycled(filler_ids, before) + record_ids + _cycled(filler_ids, after) + tail_ids
-        out.append((prompt, tokenizer.encode(" " + line["answer"])))
+        out.append(([bos] * (bos is not None) + prompt, encode(tokenizer, " " + line["answer"])))
     return out
 
 

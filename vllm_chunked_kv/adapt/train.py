@@ -10,7 +10,8 @@ Each step (docs/adapt.md has the reasons, docs/experiments/adapt.md what was tri
   attention (so full-attention quality does not decay), the others under the
   chunked attention it will be served with (`hf.attention`, the
   reference's visible set);
-- loss = KL(teacher || student) averaged over tokens + cross-entropy on the
+- loss = KL(teacher || student) averaged over tokens (or a draw of them,
+  on the teacher's top k: `adapt.loss`) + cross-entropy on the
   retrieval answers; AdamW on the adapters only, linear warm-up then cosine
   decay to a tenth, gradients clipped at 1;
 - with `learn_gains`, the chunked rows pool each sealed chunk with learned
@@ -39,9 +40,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from vllm_chunked_kv.adapt import data, lora, probe
+from vllm_chunked_kv.adapt.loss import loss_terms
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.hf.attention import GAINS_LR_SCALE, chunked_attention, gain_weights, gains_apply
 from vllm_chunked_kv.ops.dispatch import native_bf16
@@ -65,6 +66,9 @@ class AdaptOptions:
     alpha: float = 32.0
     targets: str = ",".join(lora.TARGETS)  # the projections to adapt, comma-separated (lora.TARGETS, MLP_TARGETS)
     ce_weight: float = 1.0
+    min_distance: int = 160  # asked facts and copied spans sit at least this many tokens before they are asked
+    kl_positions: int = 0  # positions scored per step (plus the answers; adapt/loss.py); 0: every token
+    kl_top_k: int = 0  # distil on the teacher's top k tokens and the rest as one; 0: the full distribution
     min_questions: int = 2  # questions per retrieval row, at least (capped by the row's 2-6 facts)
     max_questions: int = 4  # and at most
     distractors: float = 0.5  # share of retrieval rows in one phrasing with a recent unasked fact (adapt/data.py)
@@ -151,42 +155,20 @@ def step_rows(tokenizer, step: int, opts: AdaptOptions) -> list[data.Row]:
     """The batch of `step`: text rows first, then repeat rows, then retrieval rows (the last
     `full_rows` at full attention: text in odd steps, retrieval in even ones)."""
     rng = random.Random(f"{opts.seed}:{step}")
+    bos = data.bos_id(tokenizer)
+    length = opts.length - (bos is not None)  # a tokenizer that starts texts with <bos> gets it once, at position 0
     rows = []
     for i in range(opts.rows):
         full = i >= opts.rows - opts.full_rows
         if i < opts.text_rows or (full and step % 2 == 1):
-            rows.append(data.text_row(tokenizer, rng, opts.length))
+            rows.append(data.text_row(tokenizer, rng, length))
         elif i < opts.text_rows + opts.repeat_rows and not full:
-            rows.append(data.repeat_row(tokenizer, rng, opts.length))
+            rows.append(data.repeat_row(tokenizer, rng, length, min_distance=opts.min_distance))
         else:
-            rows.append(data.retrieval_row(tokenizer, rng, opts.length, questions=(opts.min_questions, opts.max_questions),
+            rows.append(data.retrieval_row(tokenizer, rng, length, min_distance=opts.min_distance,
+                                           questions=(opts.min_questions, opts.max_questions),
                                            distractors=opts.distractors))
-    return rows
-
-
-def _logits(model, ids: torch.Tensor, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [rows, length, vocab] under chunked attention `cfg` (with gain logits
-    `gains`, if any), or full (sdpa) when None."""
-    if cfg is None:
-        model.set_attn_implementation("sdpa")
-        return model(input_ids=ids).logits
-    with chunked_attention(model, cfg, gains):
-        return model(input_ids=ids).logits
-
-
-def loss_terms(model, adapters, ids, labels, cfg: ChunkedKVConfig, opts: AdaptOptions,
-               gains: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
-    """(loss to minimise, KL value, CE value) for one batch; `gains`: learned slot-gain logits or None."""
-    split = ids.shape[0] - opts.full_rows  # rows [0, split) chunked
-    with torch.no_grad(), lora.disabled(adapters):
-        teacher = _logits(model, ids, None).float().log_softmax(-1)  # [rows, length, vocab]
-    parts = [(ids[:split], cfg), (ids[split:], None)]  # chunked rows, then full-attention rows; either may be empty
-    student = torch.cat([_logits(model, part, part_cfg, gains) for part, part_cfg in parts if part.shape[0]])
-    student = student.float().log_softmax(-1)  # [rows, length, vocab]
-    kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
-    answer = labels != data.IGNORE
-    ce = F.nll_loss(student[answer], labels[answer]) if bool(answer.any()) else student.new_zeros(())
-    return kl + opts.ce_weight * ce, float(kl.detach()), float(ce.detach())
+    return [data.with_bos(row, bos) for row in rows]
 
 
 def _save_checkpoint(path: Path, adapters, gains, optimizer, step: int) -> None:
@@ -256,7 +238,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
         elif saved_gains is not None:
             log(f"note: {opts.init_adapter} was adapted with slot gains {saved_gains}; "
                 "without --learn-gains this run pools chunks by their mean")
-    prompts = probe.needle_prompts(tokenizer, opts.eval_prompts) if opts.eval_every else []
+    prompts = probe.needle_prompts(tokenizer, opts.eval_prompts, span=probe.span(opts.min_distance)) if opts.eval_every else []
     records, began, done = [], time.perf_counter(), 0
     with open(work_dir / "train_log.jsonl", "a") as log_file:
         for step in range(start, opts.steps):
@@ -268,7 +250,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
                 group["lr"] = lr_at(step, opts) * group.get("lr_scale", 1.0)
             model.train()
             with autocast(opts):
-                loss, kl, ce = loss_terms(model, adapters, ids, labels, cfg, opts, gains)
+                loss, kl, ce = loss_terms(model, adapters, ids, labels, cfg, opts, gains, seed=f"{opts.seed}:{step}")
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()

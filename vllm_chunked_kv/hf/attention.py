@@ -31,6 +31,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
@@ -109,6 +110,10 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     group = num_heads // num_kv_heads
     pos = torch.arange(seq_len, device=query.device)
     seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [T, T]
+    if not softcap and sinks is None:  # torch's fused attention: no [T, T] probabilities kept for the backward
+        out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=seen, scale=scaling,
+                                             enable_gqa=True)  # [b, H, T, Dv]
+        return out.transpose(1, 2).to(query.dtype).contiguous()
     bias = torch.zeros(seq_len, seq_len, device=query.device).masked_fill(~seen, float("-inf"))
     grouped_q = query.float().view(batch, num_kv_heads, group, seq_len, head_dim)  # [b, Hkv, G, T, D]
     logits = torch.matmul(grouped_q, key.float().unsqueeze(2).transpose(-1, -2)) * scaling  # [b, Hkv, G, T, T]

@@ -127,10 +127,21 @@ def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Pa
             shutil.copyfile(adapter / "chunked_kv_serve.json", built / "chunked_kv_serve.json")
         if not (built / "README.md").is_file():
             (built / "README.md").write_text(card.adapted_card(spec, base, adapter))
+        for name in license_files(spec):  # a derivative: the base model's terms and notice travel with it
+            shutil.copyfile(base / name, built / name)
         (built / ADAPTER_STAMP).write_text(adapter_digest(adapter) + "\n")
         cache.publish(built, target, replace=force)
+    if spec.notice:
+        say(f"{spec.adapted_name} derives from {spec.name}, under the {spec.license}: "
+            f"read {target / 'NOTICE.md'} before using or sharing it")
     say(f"{spec.adapted_name} ready in {target}")
     return target
+
+
+def license_files(spec: ModelSpec) -> list[str]:
+    """The files a model's license makes travel with its weights and with anything
+    derived from them (its adapter, the merged directory): the terms and NOTICE.md."""
+    return [Path(member).name for member in spec.terms] + (["NOTICE.md"] if spec.notice else [])
 
 
 def _os_error_line(name: str, exc: OSError) -> str:
