@@ -10,7 +10,7 @@
   pyproject.toml; the scanner's, demo's and model tools' packages are extras;
 - loading the plugin the way vLLM does (register, then the metrics and
   feedback entry points) imports no tool;
-- inside `ops/`, floors too: the math (`reference`, `masked`) -> `plans/`
+- inside `ops/`, floors too: the math (`reference`, `masked`, `fp8`) -> `plans/`
   -> `kernels/` -> `dispatch`; a kernel module imports no other kernel
   module but `shared` (the helpers they share) and `jit` (the build);
 - the package root holds only `__init__.py`; no import circle between the
@@ -38,7 +38,7 @@ FLOORS = {
 }
 SERVING = ("core", "ops", "backend", "serving")
 # inside ops/: module or folder -> floor
-OPS_FLOORS = {"reference": 0, "masked": 0, "plans": 1, "kernels": 2, "dispatch": 3, "host_sync": 3}
+OPS_FLOORS = {"reference": 0, "masked": 0, "fp8": 0, "plans": 1, "kernels": 2, "dispatch": 3, "host_sync": 3}
 KERNEL_SHARED = {"shared", "jit"}
 FROM_VLLM = {"vllm", "torch", "triton", "fastapi"}
 

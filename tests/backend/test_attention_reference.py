@@ -52,7 +52,8 @@ def prompts(seed: int, count: int = 20) -> list[list[int]]:
     return [[bos] + rng.choices(words, k=rng.randint(WINDOW + 4 * 4 + 1, 150)) for _ in range(count)]
 
 
-def reference_greedy(model_dir, cfg: ChunkedKVConfig, batch: list[list[int]]) -> list[list[int]]:
+def reference_greedy(model_dir, cfg: ChunkedKVConfig, batch: list[list[int]],
+                     cache_dtype: str | None = None) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     from vllm_chunked_kv.hf.attention import chunked_attention
@@ -63,7 +64,7 @@ def reference_greedy(model_dir, cfg: ChunkedKVConfig, batch: list[list[int]]) ->
     for ids in batch:
         shift = cfg.grid_shift(len(ids)) if cfg else 0  # the prompt's length fixes the grid of every step
         ids, new = list(ids), []
-        with torch.no_grad(), chunked_attention(model, cfg, grid_shifts=[shift]):
+        with torch.no_grad(), chunked_attention(model, cfg, grid_shifts=[shift], cache_dtype=cache_dtype):
             for _ in range(MAX_TOKENS):
                 logits = model(torch.tensor([ids])).logits[0, -1]  # [vocab]
                 new.append(int(logits.argmax()))

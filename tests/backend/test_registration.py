@@ -58,7 +58,8 @@ def test_backend_rejects_what_it_cannot_serve():
 
     ok = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=16)
     assert ChunkedKVBackend.validate_selector_config(ok) == []
-    for bad, word in [(ok._replace(kv_cache_dtype="fp8"), "kv_cache_dtype"), (ok._replace(use_mla=True), "MLA"),
+    assert ChunkedKVBackend.validate_selector_config(ok._replace(kv_cache_dtype="fp8_e5m2")) == []  # FP8 pages
+    for bad, word in [(ok._replace(kv_cache_dtype="fp8_inc"), "kv_cache_dtype"), (ok._replace(use_mla=True), "MLA"),
                       (ok._replace(has_sliding_window=True), "sliding window"),
                       (ok._replace(attn_type="encoder_only"), "encoder_only")]:
         reasons = ChunkedKVBackend.validate_selector_config(bad)

@@ -37,7 +37,9 @@ CASES = {
         "KV connectors (--kv-transfer-config) are not supported",
     ),
     "no hybrid manager": (["--disable-hybrid-kv-cache-manager"], "--disable-hybrid-kv-cache-manager is not supported"),
-    "fp8 cache": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    "fp8 pages, kernels that cannot read them": (
+        ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: CHUNKED_KV_IMPL=cpp names kernels that do not read FP8 pages",
+    ),
     "speculative decoding": (
         ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
         "speculative decoding (--speculative-config) is not supported",
@@ -62,6 +64,7 @@ def sliding_window_model(tiny_qwen, tmp_path_factory):
     return path
 
 
+ENV = {"fp8 pages, kernels that cannot read them": {"CHUNKED_KV_IMPL": "cpp"}}  # what a case adds to the environment
 PER_KIND = ["--attention-config", json.dumps({"backend_per_kind": {"full_attention": "CHUNKED_KV"}})]
 PER_KIND_SPECULATIVE = "speculative decoding, CHUNKED_KV per kind"
 
@@ -72,7 +75,7 @@ def failures(tiny_llama, sliding_window_model):
         if case == PER_KIND_SPECULATIVE:
             return run_serve_expecting_failure(tiny_llama, PER_KIND + CASES["speculative decoding"][0])
         model = sliding_window_model if case == "model sliding window" else tiny_llama
-        return run_serve_expecting_failure(model, CHUNKED + CASES[case][0])
+        return run_serve_expecting_failure(model, CHUNKED + CASES[case][0], env=ENV.get(case))
 
     cases = [*CASES, PER_KIND_SPECULATIVE]
     with ThreadPoolExecutor(2) as pool:

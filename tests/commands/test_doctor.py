@@ -2,7 +2,9 @@
 would run and why the others cannot: on this CPU machine the C++ kernels
 (with their instruction set, flags and library), with the reasons for CUDA
 and Triton, and PyTorch when they are forbidden to build; a forced implementation that cannot run is a
-non-zero exit naming it. The vLLM line compares with the tested release."""
+non-zero exit naming it. The vLLM line compares with the tested release.
+For FP8 pages (`--kv-cache-dtype`) it names the dtype and the implementations
+that cannot read them, and picks one that can."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ def test_doctor_on_cpu(capsys):
     assert main(["doctor", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"vllm {compat.vllm_version()} (tested with {compat.TESTED_VLLM}")
-    lines = {line.split()[0]: line for line in out[2:6]}
+    assert out[2] == "KV pages: auto"
+    lines = {line.split()[0]: line for line in out[3:7]}
     assert lines["torch"].endswith("can run")
     assert "cannot run" in lines["cuda"] and "CUDA device" in lines["cuda"]
     assert "cannot run" in lines["triton"]
@@ -45,6 +48,18 @@ def test_doctor_reports_a_forced_implementation_that_cannot_run(capsys, monkeypa
     monkeypatch.setenv("CHUNKED_KV_IMPL", "cuda")
     assert main(["doctor", "--device", "cpu"]) == 1
     assert "cuda" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_doctor_for_fp8_pages_names_their_readers(capsys):
+    from vllm_chunked_kv.ops import dispatch
+
+    assert main(["doctor", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "KV pages: fp8 (FP8, one byte per element)"
+    for impl in ("cpp", "triton", "cuda"):
+        line = next(line for line in out if line.split()[0] == impl)
+        assert (impl in dispatch.FP8_READERS) or "do not read FP8 pages (--kv-cache-dtype fp8)" in line
+    assert out[-1].split(": ")[1] in dispatch.FP8_READERS
 
 
 def test_version_warning_names_both_versions():

@@ -24,7 +24,7 @@ import torch
 
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.reference import reference_chunked_attention
 from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan
 from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, build_plan
@@ -55,13 +55,19 @@ def kernel_lengths(cfg: ChunkedKVConfig, seed: int) -> list[int]:
     return [63, 100, random.Random(seed).randint(1, 40), 4 * cfg.window + 9]
 
 
+NAN_BYTE = 0x7F  # a NaN in both FP8 formats (E4M3: S.1111.111; E5M2: S.11111.11)
+
+
 class Pager:
     """Pages of several requests, allocated and dropped the way vLLM's managers do."""
 
     def __init__(self, cfg: ChunkedKVConfig, origins: list[int], block_size: int, num_reqs: int, *,
                  num_kv_heads: int, row: int, dtype=torch.float32, device="cpu", cache_all: bool = False,
-                 lookback: int = 0, stale_freed: bool = False):
+                 lookback: int = 0, stale_freed: bool = False, fmt: fp8.PageFormat | None = None):
         self.cfg, self.origins, self.block_size, self.cache_all = cfg, origins, block_size, cache_all
+        self.fmt = fmt  # FP8 pages: bytes, poisoned with a NaN byte
+        dtype = torch.uint8 if fmt is not None else dtype
+        self.poison = NAN_BYTE if fmt is not None else float("nan")
         self.lookback = lookback  # a layer's own sliding window: its compressed pages are freed behind it
         self.stale_freed = stale_freed  # freed pages stay in the tables (NaN): a kernel must not read them
         self.per_block = layout.states_per_block(cfg, block_size)
@@ -70,7 +76,7 @@ class Pager:
         self.grid_shifts = [0] * num_reqs  # each request's grid shift (`align`)
         self.device = device
         self.comp = torch.zeros((64 * num_reqs, num_kv_heads, self.per_block, row), dtype=dtype, device=device)
-        self.raw = torch.full((256 * num_reqs, num_kv_heads, self.raw_block_size, row), float("nan"), dtype=dtype,
+        self.raw = torch.full((256 * num_reqs, num_kv_heads, self.raw_block_size, row), self.poison, dtype=dtype,
                               device=device)
         self.free_comp = list(range(1, self.comp.shape[0]))
         self.free_raw = list(range(1, self.raw.shape[0]))  # page 0 is the null page
@@ -92,7 +98,7 @@ class Pager:
         first_kept = max(0, computed - layout.raw_window(self.cfg) + 1)
         raw = self.tables[r][1]
         for j in range(self.keep, first_kept):
-            self.raw[raw[j // self.raw_block_size], :, j % self.raw_block_size] = float("nan")
+            self.raw[raw[j // self.raw_block_size], :, j % self.raw_block_size] = self.poison
 
     def free_outside_lookback(self, r: int, computed: int) -> None:
         """With a model sliding window, free the compressed pages vLLM's
@@ -105,7 +111,7 @@ class Pager:
         comp = self.tables[r][0]
         for p in range(max(0, computed - self.lookback + 1) // self.block_size):
             if comp[p]:
-                self.comp[comp[p]] = float("nan")
+                self.comp[comp[p]] = self.poison
                 comp[p] = comp[p] if self.stale_freed else 0
 
     def batch(self, steps: list[tuple[int, int, int]]) -> PagedBatch:
@@ -133,7 +139,11 @@ class Pager:
         for j in [*range(self.keep), *range(first_kept, end)][:end]:
             page = raw[j // self.raw_block_size]
             if page:
-                assert self.raw[page, :, j % self.raw_block_size].isfinite().all(), f"raw row {j} missing"
+                assert self.read(self.raw[page, :, j % self.raw_block_size]).isfinite().all(), f"raw row {j} missing"
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the pages as values (FP8 bytes dequantised; a NaN byte reads NaN)."""
+        return rows if self.fmt is None else fp8.dequantise(rows, self.fmt)
 
     def raw_slots(self, steps) -> torch.Tensor:
         slots = []
@@ -148,7 +158,7 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
                  group: int = 2, head_size: int = 8, head_size_v: int | None = None, decode_only: bool = False,
                  dtype=torch.float32, device="cpu", tol: float = 1e-5, attend_kwargs: dict | None = None,
                  cache_all: bool = False, decode_plan: bool = False, softcap: float = 0.0,
-                 sinks: bool = False, lookback: int = 0) -> int:
+                 sinks: bool = False, lookback: int = 0, cache_dtype: str | None = None) -> int:
     """Run one random schedule through the ops of ``impl`` (`dispatch.ops`)
     and check every step against the reference; returns the number of steps.
     Other implementations than PyTorch's also write each step's chunks
@@ -160,17 +170,23 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     and ``sinks`` (random learned sink logits, one per query head) give the
     model's logit options to the reference and to `attend`; ``lookback`` a
     model sliding window, behind which compressed pages are freed as vLLM
-    frees them (`Pager.free_outside_lookback`)."""
+    frees them (`Pager.free_outside_lookback`). ``cache_dtype`` (an FP8 format)
+    stores the pages as FP8 bytes with random key and value scales (powers of two); the
+    reference then reads them as stored (`reference_chunked_attention`'s fmt)."""
     ops = dispatch.ops(impl)
     head_size_v = head_size_v or head_size
     origins = cfg.origins(0, num_kv_heads)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
+    # FP8 scales are powers of two here, so that every implementation's way of applying them (to the
+    # rows, or folded into the logits and the output) gives the same bytes at a rounding tie.
+    fmt = None if cache_dtype is None else fp8.PageFormat(cache_dtype, head_size, 2.0 ** rng.randint(-5, -1),
+                                                          2.0 ** rng.randint(-5, 0))
     sizes = [layout.block_multiple(cfg) * pages for pages in (2, 4, 16)]  # raw pages shorter and longer than the window
     block_size = rng.choice([size for size in sizes if _fits(cfg, size)])
     pager = Pager(cfg, origins, block_size, len(lengths), num_kv_heads=num_kv_heads, row=head_size + head_size_v,
                   dtype=dtype, device=device, cache_all=cache_all, lookback=lookback,
-                  stale_freed=ops.name != "torch")  # the PyTorch path gathers every slot, hidden or not
+                  stale_freed=ops.name != "torch", fmt=fmt)  # the PyTorch path gathers every slot, hidden or not
     # With `align`, request r's prompt is its first prompt_lens[r] positions (the rest decodes).
     prompt_lens = [random.Random(seed + r).randint(1, n) for r, n in enumerate(lengths)]
     pager.grid_shifts = [cfg.grid_shift(p) for p in prompt_lens]
@@ -184,7 +200,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
     if sinks:
         logit_options["sinks"] = torch.randn(num_kv_heads * group, generator=gen) * 2  # [Hq]
     want = [reference_chunked_attention(q[r].float(), k[r].float(), v[r].float(), cfg, scale=0.5,
-                                        origins=req_origins[r], **logit_options) for r in range(len(lengths))]
+                                        origins=req_origins[r], fmt=fmt, **logit_options)
+            for r in range(len(lengths))]
     logit_options = {name: value.to(device) if name == "sinks" else value for name, value in logit_options.items()}
     done, num_steps, mixed_steps = [0] * len(lengths), 0, 0
     while any(d < n for d, n in zip(done, lengths)):
@@ -216,11 +233,14 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
         cat = lambda xs: torch.cat([xs[r][lo:hi] for r, lo, hi in steps]).to(device)  # noqa: E731
         query = cat(q)  # [n, Hq, D]
         step_rows = torch.cat([cat(k), cat(v)], dim=-1)  # [n, Hkv, D + Dv]
-        ops.write_raw(pager.raw, step_rows, pager.raw_slots(steps), plan.raw_writes)
-        assert not pager.raw[0].isfinite().any(), "a row was written to the null page"
-        _write_chunks(ops, pager, step_rows, plan.writes, cfg, head_size, tol)
+        page = {} if fmt is None else {"fmt": fmt}
+        stored = step_rows if fmt is None else fp8.quantise(step_rows, fmt)  # what the backend writes
+        ops.write_raw(pager.raw, stored, pager.raw_slots(steps), plan.raw_writes)
+        assert not pager.read(pager.raw[0]).isfinite().any(), "a row was written to the null page"
+        _write_chunks(ops, pager, stored, plan.writes, cfg, head_size, tol)
+        step_rows = step_rows if fmt is None else fp8.dequantise(stored, fmt)  # what attention reads
         out = query.new_full((query.shape[0], query.shape[1], head_size_v), float("nan"))  # unwritten fails
-        got = ops.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out, **logit_options,
+        got = ops.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out, **logit_options, **page,
                          **(attend_kwargs or {}))
         assert got is out, "attend did not write into out="
         for (r, lo, hi), rows in zip(steps, torch.split(out, [hi - lo for _, lo, hi in steps])):
@@ -243,16 +263,18 @@ def _fits(cfg: ChunkedKVConfig, block_size: int) -> bool:
 
 def _write_chunks(ops, pager: Pager, step_rows, writes, cfg: ChunkedKVConfig, head_size: int, tol: float) -> None:
     """``ops.write_chunks``; for other ops than PyTorch's, checked against it."""
+    page = {} if pager.fmt is None else {"fmt": pager.fmt}
     if ops.name == "torch":
-        ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size)
+        ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size, **page)
         return
     want = pager.comp.clone()
-    dispatch.ops("torch").write_chunks(want, pager.raw, step_rows, writes, cfg, head_size)
-    pager.comp[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = float("nan")
-    ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size)
+    dispatch.ops("torch").write_chunks(want, pager.raw, step_rows, writes, cfg, head_size, **page)
+    pager.comp[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = pager.poison
+    ops.write_chunks(pager.comp, pager.raw, step_rows, writes, cfg, head_size, **page)
     # Page 0 is the null page: a decode plan's empty entries write there, in any order; nothing reads it.
     # Pages freed behind a model sliding window are NaN in both.
-    torch.testing.assert_close(pager.comp[1:].float(), want[1:].float(), atol=tol, rtol=tol, equal_nan=True)
+    torch.testing.assert_close(pager.read(pager.comp[1:]).float(), pager.read(want[1:]).float(), atol=tol, rtol=tol,
+                               equal_nan=True)
 
 
 # ------------------------------------------- checks shared by the kernel tests

@@ -1,7 +1,8 @@
 """Contract of `vllm_chunked_kv.serving.kv_footprint`: uncompressed bytes per token
 is 2 (K, V) x layers x KV heads x head size x dtype bytes, read from the
 model through vLLM's config, counting only the global layers of a hybrid
-model (its sliding-window layers hold a fixed number of rows); compression counts only when CHUNKED_KV is the
+model (its sliding-window layers hold a fixed number of rows), at the bytes
+of the KV pages' dtype (one per element for FP8 pages); compression counts only when CHUNKED_KV is the
 selected backend, and then the ratio is docs/design.md §4's: chunk_size tokens
 over the rows they are stored in; capacity is vLLM's own figure."""
 
@@ -59,6 +60,14 @@ def test_chunked_backend_ratio_follows_the_mitigation_table(make_vllm_config, ti
     expected_ratio = EXPECTED_RATIO[cfg.mitigation](section.get("chunk_size", 0))
     assert fp.compression_ratio == pytest.approx(float(expected_ratio))
     assert fp.bytes_per_token == pytest.approx(_hf_bytes_per_token(tiny_llama, 4) / expected_ratio)
+
+
+def test_fp8_pages_count_one_byte_per_element(make_vllm_config, tiny_llama):
+    vllm_config = make_vllm_config({"chunked_kv": {"chunk_size": 4}}, attention_backend="chunked_kv",
+                                   kv_cache_dtype="fp8")
+    fp = footprint_from_vllm_config(vllm_config, Fraction(4))
+    assert fp.uncompressed_bytes_per_token == _hf_bytes_per_token(tiny_llama, 1)
+    assert fp.bytes_per_token == pytest.approx(_hf_bytes_per_token(tiny_llama, 1) / 4)
 
 
 def test_hybrid_models_count_their_global_layers_only():

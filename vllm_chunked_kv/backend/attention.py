@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
-from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.plans.policy import decode_plan_on_device, plan_step
 from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan
 from vllm_chunked_kv.backend.raw_cache import PagedRows, RawPagesMetadata, attach_raw_pages
@@ -56,7 +56,7 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32", *fp8.FORMATS]
 
     @staticmethod
     def get_name() -> str:
@@ -92,7 +92,8 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
         fields = selector._asdict()
         reasons = cls.validate_configuration(device_capability=None, **fields)
         if fields.get("kv_cache_dtype") not in (None, *cls.supported_kv_cache_dtypes):
-            reasons.append(f"kv_cache_dtype {fields['kv_cache_dtype']!r} (quantised KV) is not supported")
+            reasons.append(f"kv_cache_dtype {fields['kv_cache_dtype']!r} is not supported "
+                           f"({', '.join(cls.supported_kv_cache_dtypes)} are)")
         return reasons
 
     @classmethod
@@ -195,7 +196,8 @@ class ChunkedKVMetadataBuilder(AttentionMetadataBuilder[ChunkedKVMetadata]):
         self.block_size = kv_cache_spec.block_size
         model = vllm_config.model_config
         group = model.get_num_attention_heads(vllm_config.parallel_config) // kv_cache_spec.num_kv_heads
-        impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group)
+        impl = dispatch.choose(device, head_size=kv_cache_spec.head_size, group=group,
+                               cache_dtype=vllm_config.cache_config.cache_dtype)
         self.ops = dispatch.ops(impl)
         self.config = ChunkedKVConfig.from_vllm_config(vllm_config)
         self.device_decode_plan = decode_plan_on_device(device, impl, self.config)
@@ -329,7 +331,16 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         self._total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._static_forward_context = vllm_config.compilation_config.static_forward_context
         self._raw_pages = None
-        logger.info_once("Using %s attention backend with %s", BACKEND_NAME, json.dumps(self.config.describe()))
+        logger.info_once("Using %s attention backend with %s, KV pages %s", BACKEND_NAME,
+                         json.dumps(self.config.describe()), kv_cache_dtype)
+
+    def _page_format(self, layer: AttentionLayer) -> fp8.PageFormat | None:
+        """How this layer's pages store a row: FP8 with the layer's current k/v scales
+        (`--calculate-kv-scales` sets them at the first step), or None for the model's dtype."""
+        if not fp8.is_fp8(self.kv_cache_dtype):
+            return None
+        return fp8.PageFormat(self.kv_cache_dtype, self.head_size, float(layer._k_scale_float),
+                              float(layer._v_scale_float))
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Register the raw pages' companion layer: the layer is in vLLM's
@@ -359,18 +370,23 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         key = key[:n].view(n, self.num_kv_heads, self.head_size)  # [n, Hkv, D]
         value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
         step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, D + Dv]
+        fmt = self._page_format(layer)
+        stored, read, page = step_rows, step_rows, {}
+        if fmt is not None:  # quantised once, here; attention reads the step's rows as the pages give them back
+            stored = fp8.quantise(step_rows, fmt)  # [n, Hkv, D + Dv] bytes
+            read, page = fp8.dequantise(stored, fmt), {"fmt": fmt}  # [n, Hkv, D + Dv] fp32
         step = attn_metadata.layers.get(layer.layer_name)
         if step is None:
             raise RuntimeError(f"{BACKEND_NAME}: {layer.layer_name} has no plan for this step: the metadata of its "
                                "raw pages' cache group was not built in the same step (backend/step_link.py)")
         ops, raw_cache = attn_metadata.ops, self._raw_pages.kv_cache
-        ops.write_raw(raw_cache, step_rows, step.raw.slot_mapping[:n], step.plan.raw_writes)
-        ops.write_chunks(kv_cache, raw_cache, step_rows, step.plan.writes, step.cfg, self.head_size)
+        ops.write_raw(raw_cache, stored, step.raw.slot_mapping[:n], step.plan.raw_writes)
+        ops.write_chunks(kv_cache, raw_cache, stored, step.plan.writes, step.cfg, self.head_size, **page)
         out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
         if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
             out = None
-        result = ops.attend(query, step_rows, kv_cache, raw_cache, step.plan, self.scale, out=out,
-                            softcap=self.logits_soft_cap, sinks=self.sinks, lookback=self.lookback)
+        result = ops.attend(query, read, kv_cache, raw_cache, step.plan, self.scale, out=out,
+                            softcap=self.logits_soft_cap, sinks=self.sinks, lookback=self.lookback, **page)
         if result is not out:
             output[:n].view_as(result).copy_(result)
         return output

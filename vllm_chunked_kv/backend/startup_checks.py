@@ -10,6 +10,9 @@ from __future__ import annotations
 import sys
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig, ChunkedKVConfigError
+from vllm_chunked_kv.ops import dispatch, fp8
+
+CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", *fp8.FORMATS)  # --kv-cache-dtype values CHUNKED_KV stores
 
 
 def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
@@ -29,10 +32,14 @@ def check_engine_support(cfg: ChunkedKVConfig, vllm_config) -> None:
             cfg.check_model(num_layers, model_config.get_total_num_kv_heads())
     cache_config = getattr(vllm_config, "cache_config", None)
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
-    if cache_dtype.startswith("fp8"):
+    if cache_dtype not in CACHE_DTYPES:
         raise ChunkedKVConfigError(
-            None, f"--kv-cache-dtype {cache_dtype} is not supported (allowed: auto, float16, bfloat16, float32)"
+            None, f"--kv-cache-dtype {cache_dtype} is not supported (allowed: {', '.join(CACHE_DTYPES)})"
         )
+    if fp8.is_fp8(cache_dtype):
+        refusal = dispatch.forced_fp8_refusal(cache_dtype)
+        if refusal:
+            raise ChunkedKVConfigError(None, refusal)
     _check_paging(cfg, vllm_config, cache_config)
 
 

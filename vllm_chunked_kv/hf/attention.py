@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import fp8
 from vllm_chunked_kv.ops.masked import extended_kv
 from vllm_chunked_kv.ops.reference import softmax_weights
 
@@ -43,6 +44,7 @@ _CONFIG_ATTR = "chunked_kv_config"
 _GAINS_ATTR = "chunked_kv_gains"  # a 1-tuple holding the gain logits (a tuple, so nn.Module does not adopt them)
 _SHIFTS_ATTR = "chunked_kv_grid_shifts"  # per batch row grid shift, or None
 _OBSERVER_ATTR = "chunked_kv_observer"  # a 1-tuple holding observer(layer_idx, probs, folded_k, origins), or None
+_PAGES_ATTR = "chunked_kv_cache_dtype"  # an FP8 --kv-cache-dtype the rows are read through (scales 1), or None
 _UNSET = object()  # marks an attribute the module did not have before `chunked_attention`
 GAINS_LR_SCALE = 20.0  # learning-rate multiplier of the gain logits: the chunk_size of them learn faster than weights
 
@@ -82,7 +84,12 @@ def chunked_attention_forward(
     if gains is not None and gains.dim() == 2:  # [num_layers, chunk_size]: one set of logits per layer
         gains = gains[module.layer_idx]
     weights = None if gains is None else gains.softmax(-1)  # [chunk_size]
+    cache_dtype = getattr(module, _PAGES_ATTR, None)
+    if cache_dtype is not None:  # FP8 pages: every row as stored and read back, pooled from those (ops/fp8.py)
+        folded_k, folded_v = _as_stored(folded_k, folded_v, cache_dtype)
     ext = extended_kv(folded_k, folded_v, cfg, origins, weights=weights, lookback=lookback)
+    if cache_dtype is not None:  # the pooled rows too (the raw ones are unchanged by a second trip)
+        ext = ext._replace(**dict(zip(("keys", "values"), _as_stored(ext.keys, ext.values, cache_dtype))))
     ext_len = ext.keys.shape[0]  # T + N
     keys = ext.keys.view(ext_len, batch, num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [b, Hkv, T+N, D]
     values = ext.values.view(ext_len, batch, num_kv_heads, -1).permute(1, 2, 0, 3)  # [b, Hkv, T+N, Dv]
@@ -97,6 +104,13 @@ def chunked_attention_forward(
     out = torch.matmul(probs, values.unsqueeze(2))  # [b, Hkv, G, T, Dv]
     out = out.reshape(batch, num_heads, seq_len, -1).transpose(1, 2)  # [b, T, H, Dv]
     return out.to(query.dtype).contiguous(), None
+
+
+def _as_stored(keys: torch.Tensor, values: torch.Tensor, cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[..., D]`` and values ``[..., Dv]`` as FP8 pages of `cache_dtype` (scales 1) give them back."""
+    fmt = fp8.PageFormat(cache_dtype, keys.shape[-1])
+    rows = fp8.round_trip(torch.cat([keys, values.to(keys.dtype)], dim=-1), fmt).to(keys.dtype)  # [..., D + Dv]
+    return rows[..., : keys.shape[-1]], rows[..., keys.shape[-1]:]
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
@@ -146,14 +160,17 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | None = None,
-                      grid_shifts: list[int] | None = None, observer=None) -> Iterator[None]:
+                      grid_shifts: list[int] | None = None, observer=None,
+                      cache_dtype: str | None = None) -> Iterator[None]:
     """Run `model` (a transformers Llama) with chunked attention `cfg` inside
     the block; None means full attention (eager). `gains`: learned per-slot
     gain logits; `grid_shifts`: each batch row's grid shift (see the module
     docstring); `observer(layer_idx, probs, folded_k, origins)`: called in
     every layer with the attention probabilities [b, Hkv, G, T, T+N] over the
     extended key set, the folded keys [T, b*Hkv, D] and their origins (to
-    see what the model reads, `benchmarks/copy_heads.py`)."""
+    see what the model reads, `benchmarks/copy_heads.py`); `cache_dtype`: an FP8
+    `--kv-cache-dtype`, whose pages (scales 1) every key and value and pooled
+    row is read through, as the backend stores them (`ops/fp8.py`)."""
     previous = model.config._attn_implementation
     saved = []  # (module, {attribute: value before the block, or _UNSET})
     try:  # whatever was set is undone, even if setting up fails half-way
@@ -162,7 +179,7 @@ def chunked_attention(model, cfg: ChunkedKVConfig | None, gains: torch.Tensor | 
         else:
             _register()
             values = {_CONFIG_ATTR: cfg, _GAINS_ATTR: (gains,), _SHIFTS_ATTR: grid_shifts,
-                      _OBSERVER_ATTR: (observer,)}
+                      _OBSERVER_ATTR: (observer,), _PAGES_ATTR: cache_dtype}
             for layer in model.model.layers:
                 attn = layer.self_attn
                 saved.append((attn, {name: attn.__dict__.get(name, _UNSET) for name in values}))

@@ -10,7 +10,8 @@ Triton kernels, the C++ CPU kernels (`cpu_ext.py`), or the PyTorch path
   precision: FMA, not tensor cores); on a CPU
   the C++ kernels (built on first use), then PyTorch (Triton's CPU
   interpreter can run the kernels, far slower than PyTorch, so only when
-  asked for by name). It logs one line: the choice, and why
+  asked for by name). With FP8 pages, only the implementations in
+  `FP8_READERS`. It logs one line: the choice, and why
   the ones before it cannot run. The environment variable
   ``CHUNKED_KV_IMPL`` = ``cuda`` | ``triton`` | ``cpp`` | ``torch``, or
   ``DECODE+PREFILL`` of two kernels, forces one (an error, with the
@@ -39,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_chunked_kv.ops import fp8
 from vllm_chunked_kv.ops.kernels import compressed, shared, unit_writes
 from vllm_chunked_kv.ops.plans.step_plan import StepPlan
 
@@ -64,13 +66,15 @@ def native_bf16(dev: torch.device | None = None) -> bool:
 
 
 def available(impl: str, device=None, *, head_size: int | None = None, head_size_v: int | None = None,
-              group: int = 1) -> list[str]:
+              group: int = 1, cache_dtype: str | None = None) -> list[str]:
     """Reasons why ``impl`` cannot run on ``device`` (default: the CUDA
-    device if there is one, else the CPU) for these settings and shapes;
-    an empty list when it can."""
+    device if there is one, else the CPU) for these settings and shapes and
+    vLLM's ``--kv-cache-dtype`` (`cache_dtype`); an empty list when it can."""
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r} (choose from {', '.join(IMPLS)})")
     device = resolve_device(device)
+    if fp8.is_fp8(cache_dtype) and impl not in FP8_READERS:
+        return [f"the {impl} kernels do not read FP8 pages (--kv-cache-dtype {cache_dtype})"]
     if impl == "torch":
         return []
     if impl in ("cuda", "cpp"):  # the extensions, each for one device type
@@ -84,6 +88,8 @@ def available(impl: str, device=None, *, head_size: int | None = None, head_size
         return reasons
     return _triton_reasons(device)
 
+
+FP8_READERS = ("torch",)  # the implementations that read and write FP8 pages (ops/fp8.py)
 
 _EXTENSION_DEVICE = {"cuda": ("cuda", "the CUDA extension needs a CUDA device"),
                      "cpp": ("cpu", "the C++ kernels run on the CPU")}
@@ -125,19 +131,19 @@ def _triton_reasons(device: torch.device) -> list[str]:
 
 
 def choose(device=None, *, impl: str | None = None, head_size: int | None = None, head_size_v: int | None = None,
-           group: int = 1) -> str:
+           group: int = 1, cache_dtype: str | None = None) -> str:
     """The implementation to use (see the module docstring for the order).
     ``impl`` (else ``CHUNKED_KV_IMPL``) names one: it is checked, not searched."""
     device = resolve_device(device)
     forced = impl or os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    return _choose(device.type, forced, head_size, head_size_v, group)
+    return _choose(device.type, forced, head_size, head_size_v, group, cache_dtype)
 
 
-def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str:
-    key = (device_type, forced, head_size, head_size_v, group)  # what the choice depends on
+def _choose(device_type: str, forced: str, head_size, head_size_v, group, cache_dtype=None) -> str:
+    key = (device_type, forced, head_size, head_size_v, group, cache_dtype)  # what the choice depends on
     if key in _choices:
         return _choices[key]
-    shapes = dict(head_size=head_size, head_size_v=head_size_v, group=group)
+    shapes = dict(head_size=head_size, head_size_v=head_size_v, group=group, cache_dtype=cache_dtype)
     why = f"{IMPL_ENV}={forced}"
     if forced != "auto":
         parts = forced.split("+")
@@ -166,6 +172,18 @@ def _choose(device_type: str, forced: str, head_size, head_size_v, group) -> str
 
 
 _choices: dict[tuple, str] = {}
+
+
+def forced_fp8_refusal(cache_dtype: str) -> str | None:
+    """Why the implementation forced by ``CHUNKED_KV_IMPL`` cannot serve FP8 pages
+    (`cache_dtype`), or None: unforced, or it reads them. Checked at startup, so
+    the server stops with one line instead of upcasting the cache."""
+    forced = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    unable = [part for part in forced.split("+") if part in IMPLS and part not in FP8_READERS]
+    if forced == "auto" or not unable:
+        return None
+    return (f"--kv-cache-dtype {cache_dtype}: {IMPL_ENV}={forced} names kernels that do not read FP8 pages "
+            f"({', '.join(unable)}; these do: {', '.join(FP8_READERS)})")
 
 
 def _detail(choice: str, why: str) -> str:
@@ -237,11 +255,11 @@ def with_unit_writes(write_chunks: Callable) -> Callable:
     read any grid)."""
 
     @functools.wraps(write_chunks)  # `__wrapped__`: the implementation's own
-    def write(comp_cache, raw_cache, step_rows, writes, cfg, head_size):
+    def write(comp_cache, raw_cache, step_rows, writes, cfg, head_size, **page):  # page: fmt= of FP8 pages
         if writes.dynamic is not None:
-            unit_writes.write(comp_cache, raw_cache, step_rows, writes.dynamic, cfg, head_size)
+            unit_writes.write(comp_cache, raw_cache, step_rows, writes.dynamic, cfg, head_size, **page)
         else:
-            write_chunks(comp_cache, raw_cache, step_rows, writes, cfg, head_size)
+            write_chunks(comp_cache, raw_cache, step_rows, writes, cfg, head_size, **page)
 
     return write
 

@@ -43,6 +43,8 @@ import torch
 
 from vllm_chunked_kv.core import boundaries, grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import fp8
+from vllm_chunked_kv.ops.fp8 import PageFormat
 
 
 def chunk_bounds(k: int, cfg: ChunkedKVConfig, origin: int = 0) -> tuple[int, int]:
@@ -153,6 +155,7 @@ def reference_chunked_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     lookback: int = 0,
+    fmt: PageFormat | None = None,
 ) -> torch.Tensor:
     """Causal chunked attention over one sequence, one query and head at a time.
 
@@ -161,8 +164,11 @@ def reference_chunked_attention(
     num_kv_heads)``; origins: one grid origin per KV head in ``[0, hop)``
     (None: all 0); softcap: the model's logit cap (0: none); sinks
     ``[num_heads]``: its learned sink logits (None: none); lookback: the
-    layer's own sliding window in tokens (0: none, `visible_set`). Returns
-    ``[T, num_heads, Dv]`` in q's dtype, computed in fp32.
+    layer's own sliding window in tokens (0: none, `visible_set`); fmt: FP8
+    pages (`fp8.PageFormat`; None: none): every key and value is read as
+    stored and read back, and every pooled row is pooled from those and then
+    stored and read back (`fp8.round_trip`). Returns ``[T, num_heads, Dv]`` in
+    q's dtype, computed in fp32.
     """
     check_shapes(q, k, v)
     seq_len, num_heads, head_dim = q.shape
@@ -176,9 +182,10 @@ def reference_chunked_attention(
     if dynamic and any(origins):
         raise ValueError(f"dynamic boundaries cut frames from position 0: origins must be 0, got {origins}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    k, v = k.float(), v.float()
+    k, v = _stored(k.float(), v.float(), fmt)
     if dynamic:
         unit_k, unit_v, decided = boundaries.unit_rows(k, v, cfg_in)  # [N, Hkv, D], [N, Hkv, Dv], [N, Hkv]
+        unit_k, unit_v = _stored(unit_k, unit_v, fmt)
     out = torch.empty((seq_len, num_heads, v.shape[-1]), dtype=torch.float32, device=q.device)
     pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (head, chunk) -> row
     for t in range(seq_len):
@@ -192,7 +199,8 @@ def reference_chunked_attention(
                     pooled[h, c] = unit_k[c, h], unit_v[c, h], torch.tensor(cfg.log_weight)  # [D], [Dv], []
                 else:
                     start, end = chunk_bounds(c, cfg, origin)
-                    pooled[h, c] = pool_chunk(k[start:end, h], v[start:end, h], cfg)  # [D], [Dv], []
+                    key_row, value_row, log_weight = pool_chunk(k[start:end, h], v[start:end, h], cfg)
+                    pooled[h, c] = (*_stored(key_row, value_row, fmt), log_weight)  # [D], [Dv], []
             keys = torch.cat([k[raw, h], *(pooled[h, c][0][None] for c in chunks)])  # [R + C, D]
             values = torch.cat([v[raw, h], *(pooled[h, c][1][None] for c in chunks)])  # [R + C, Dv]
             bias = torch.cat([k.new_zeros(len(raw)), *(pooled[h, c][2][None] for c in chunks)])  # [R + C]
@@ -201,3 +209,11 @@ def reference_chunked_attention(
             probs = softmax_weights(queries @ keys.T * scale, bias, softcap=softcap, sinks=head_sinks)  # [group, R + C]
             out[t, h * group:(h + 1) * group] = probs @ values  # [group, Dv]
     return out.to(q.dtype)
+
+
+def _stored(keys: torch.Tensor, values: torch.Tensor, fmt: PageFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[..., D]`` and values ``[..., Dv]`` as pages of format `fmt` give them back (None: unchanged)."""
+    if fmt is None:
+        return keys, values
+    rows = fp8.round_trip(torch.cat([keys, values], dim=-1), fmt)  # [..., D + Dv]
+    return rows[..., : keys.shape[-1]], rows[..., keys.shape[-1]:]

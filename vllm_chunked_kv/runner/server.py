@@ -132,8 +132,11 @@ class VllmServer:
         self.stop()
 
 
-def run_serve_expecting_failure(model: str | Path, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `vllm serve` that should fail at startup; returns the finished process."""
+def run_serve_expecting_failure(model: str | Path, args: list[str], timeout: float = 240,
+                                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `vllm serve` that should fail at startup (with `env` added to the environment);
+    returns the finished process."""
     command = [vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
                *DEFAULT_ARGS, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, start_new_session=True,
+                          env={**os.environ, **(env or {})})

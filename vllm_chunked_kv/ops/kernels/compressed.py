@@ -15,7 +15,7 @@ for the indices):
 Caches are ``[num_blocks, num_kv_heads, rows_per_block, head_size +
 head_size_v]`` (keys then values), raw pages with one row per token,
 compressed pages with one row per state. Math is fp32; stored rows keep the
-cache dtype.
+cache dtype, or are FP8 bytes read and written through `ops/fp8.py`.
 """
 
 from __future__ import annotations
@@ -25,32 +25,37 @@ import torch.nn.functional as F
 
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import reference
-from vllm_chunked_kv.ops.kernels.shared import gather_rows, step_gains, zero_unused_slots
+from vllm_chunked_kv.ops import fp8, reference
+from vllm_chunked_kv.ops.fp8 import PageFormat
+from vllm_chunked_kv.ops.kernels.shared import gather_rows, step_gains, store_rows, zero_unused_slots
 from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan
 
 
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
-                 cfg: ChunkedKVConfig, head_size: int) -> None:
-    """Pool the chunks completed in this step into their compressed slots."""
+                 cfg: ChunkedKVConfig, head_size: int, fmt: PageFormat | None = None) -> None:
+    """Pool the chunks completed in this step into their compressed slots. With FP8
+    pages (`fmt`), step_rows are the step's stored bytes, the chunk's rows are read as
+    the pages hold them and the pooled row is quantised once."""
     zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
     rows = gather_rows(raw_cache, step_rows, writes.src_blocks, writes.src_offsets, writes.src_step,
-                       writes.heads[:, None])  # [M, chunk_size, Dk + Dv]
+                       writes.heads[:, None], fmt)  # [M, chunk_size, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, chunk_size, Dk], [M, chunk_size, Dv]
     gains = None if cfg.pooling == "key_norm" else step_gains(writes, cfg, comp_cache.device)  # [chunk_size]
     key_row, value_row, _ = reference.pool_chunk(keys, values, cfg, gains)  # [M, Dk], [M, Dv]
-    pooled = torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype)  # [M, Dk + Dv]
+    pooled = torch.cat([key_row, value_row], dim=-1).to(rows.dtype)  # [M, Dk + Dv]
     kept = [pooled] + ([rows[:, 0], rows[:, -1]] if cfg.keep_boundary else [])  # grid.SlotKind order
-    comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = torch.stack(kept, dim=1)
+    comp_cache[writes.dst_blocks, writes.heads[:, None], writes.dst_offsets] = store_rows(
+        torch.stack(kept, dim=1), comp_cache, fmt)
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, softcap: float = 0.0,
-           sinks: torch.Tensor | None = None, lookback: int = 0) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, lookback: int = 0, fmt: PageFormat | None = None) -> torch.Tensor:
     """Attention of every query token of the step: query ``[n, Hq, D]``,
-    step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V) -> ``[n, Hq, Dv]`` in the
+    step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V; with FP8 pages, `fmt`, as
+    read back from them: `fp8.round_trip`) -> ``[n, Hq, Dv]`` in the
     query dtype (fp32 math), written into ``out`` when given. The plan must
     carry its bias (`build_plan(..., bias=True)`). ``softcap`` (0: none) and
     ``sinks`` ``[Hq]`` (None: none) are the model's logit cap and learned
@@ -73,11 +78,11 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         out = query.new_empty(n, num_heads, raw_cache.shape[-1] - head_size)
     for keys in plan.key_sets:
         b, num_q = keys.query_index.shape
-        raw = _gather(raw_cache, keys.raw_blocks, keys.raw_offsets)  # [b, Hkv, Nr, Dk + Dv]
+        raw = _read(_gather(raw_cache, keys.raw_blocks, keys.raw_offsets), fmt)  # [b, Hkv, Nr, Dk + Dv]
         padding = torch.arange(raw.shape[2], device=raw.device)[None, :] >= keys.num_raw[:, None]  # [b, Nr]
         raw = raw.masked_fill(padding[:, None, :, None], 0)  # padding rows may hold dropped rows: masked anyway
         own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
-        slots = _gather(comp_cache, *keys.slot_tables())  # [b, Hkv, Nc, Dk + Dv]
+        slots = _read(_gather(comp_cache, *keys.slot_tables()), fmt)  # [b, Hkv, Nc, Dk + Dv]
         bias = keys.bias
         if lookback:  # the layer's own sliding window, on top of the bias the step's layers share
             bias = bias.masked_fill(outside_lookback(plan.cfg, keys, raw.shape[2], lookback), float("-inf"))
@@ -128,6 +133,11 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) ->
         return cache[blocks[:, None, :], heads, offsets[:, None, :]]
     flat = (blocks[:, None, :] * num_kv_heads + heads) * per_block + offsets[:, None, :]  # [b, Hkv, N]
     return cache.view(-1, width).index_select(0, flat.view(-1)).view(*flat.shape, width)
+
+
+def _read(rows: torch.Tensor, fmt: PageFormat | None) -> torch.Tensor:
+    """Gathered rows as their pages hold them: themselves, or FP8 bytes dequantised (fp32)."""
+    return rows if fmt is None else fp8.dequantise(rows, fmt)
 
 
 def _attend_parts(q: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor, scale: float,

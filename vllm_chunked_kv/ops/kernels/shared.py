@@ -8,6 +8,7 @@
   `PagedBatch.row_sources`), and this gather takes each row from the right place.
 - `write_raw`: the step's raw rows into the raw pages (the PyTorch, Triton and
   CUDA paths; the C++ kernels do the same in one call).
+- `store_rows`: pooled rows in the cache's dtype, or FP8 bytes (`ops/fp8.py`).
 - `zero_unused_slots`, `fixed_gains`, `step_gains`: what a chunk write needs
   besides its rows.
 - `attend_output`, `kernel_args`: what an `attend` writes, and the arguments
@@ -22,18 +23,27 @@ import torch
 
 from vllm_chunked_kv.core import grid
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import fp8
+from vllm_chunked_kv.ops.fp8 import PageFormat
 from vllm_chunked_kv.ops.plans import constants
 from vllm_chunked_kv.ops.plans.step_plan import NULL_PAGE, ChunkWrites, StepPlan, derived
 
 
 def gather_rows(raw_cache: torch.Tensor, step_rows: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                src_step: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+                src_step: torch.Tensor, heads: torch.Tensor, fmt: PageFormat | None = None) -> torch.Tensor:
     """Rows at (`blocks`, `heads`, `offsets`) of raw_cache ``[pages, Hkv, block, Dk + Dv]``, or row
     ``src_step`` of step_rows ``[n, Hkv, Dk + Dv]`` where ``src_step >= 0``. The four index tensors
-    broadcast to one shape S; the result is ``S + [Dk + Dv]`` in the cache dtype."""
+    broadcast to one shape S; the result is ``S + [Dk + Dv]`` in the cache dtype, or with FP8
+    pages (`fmt`; step_rows then hold the step's stored bytes too) the rows they hold, fp32."""
     stored = raw_cache[blocks, heads, offsets]  # S + [Dk + Dv]
     own = step_rows[src_step.clamp(min=0), heads]  # S + [Dk + Dv]
-    return torch.where((src_step >= 0)[..., None], own.to(stored.dtype), stored)
+    rows = torch.where((src_step >= 0)[..., None], own.to(stored.dtype), stored)
+    return rows if fmt is None else fp8.dequantise(rows, fmt)
+
+
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, fmt: PageFormat | None) -> torch.Tensor:
+    """`rows` (fp32 math) as `cache` stores them: its dtype, or FP8 bytes quantised once (`fmt`)."""
+    return rows.to(cache.dtype) if fmt is None else fp8.quantise(rows, fmt)
 
 
 def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -13,19 +13,20 @@ import torch
 
 from vllm_chunked_kv.core import boundaries
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops.kernels.shared import gather_rows
+from vllm_chunked_kv.ops.fp8 import PageFormat
+from vllm_chunked_kv.ops.kernels.shared import gather_rows, store_rows
 from vllm_chunked_kv.ops.plans.dynamic_writes import DynamicWrites
 
 
 def write(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: DynamicWrites,
-          cfg: ChunkedKVConfig, head_size: int) -> None:
-    """Store each unit's chunk row (fp32 mean, stored in the cache dtype) in its slot."""
+          cfg: ChunkedKVConfig, head_size: int, fmt: PageFormat | None = None) -> None:
+    """Store each unit's chunk row (fp32 mean, stored in the cache dtype or as FP8 bytes) in its slot."""
     if not writes.unit.numel():
         return
     size, unit = cfg.chunk_size, cfg.min_chunk
     heads = torch.arange(raw_cache.shape[1], device=raw_cache.device)  # [Hkv]
     rows = gather_rows(raw_cache, step_rows, writes.src_blocks[:, None], writes.src_offsets[:, None],
-                       writes.src_step[:, None], heads[None, :, None])  # [M, Hkv, 3C + 1, Dk + Dv]
+                       writes.src_step[:, None], heads[None, :, None], fmt)  # [M, Hkv, 3C + 1, Dk + Dv]
     keys, values = rows[..., :head_size], rows[..., head_size:]  # [M, Hkv, R, Dk], [M, Hkv, R, Dv]
     row0 = writes.row0  # [M]
     cut = [row0[:, None] + j * size + boundaries.frame_cuts(cfg, keys[:, :, j * size: (j + 1) * size + 1])
@@ -36,5 +37,5 @@ def write(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Te
     first = torch.where(in_frame_chunk, before, cut[1]) + 1  # [M, Hkv]
     last = torch.where(in_frame_chunk, cut[1], cut[2])  # [M, Hkv]
     key_row, value_row = boundaries.pool_span(keys, values, first, last, row0[:, None].expand_as(first))
-    comp_cache[writes.dst_blocks[:, None], heads[None, :], writes.dst_offsets[:, None]] = (
-        torch.cat([key_row, value_row], dim=-1).to(comp_cache.dtype))  # [M, Hkv, Dk + Dv]
+    comp_cache[writes.dst_blocks[:, None], heads[None, :], writes.dst_offsets[:, None]] = store_rows(
+        torch.cat([key_row, value_row], dim=-1), comp_cache, fmt)  # [M, Hkv, Dk + Dv]
