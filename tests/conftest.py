@@ -112,7 +112,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load_benchmark(name: str):
-    """Import `benchmarks/<name>.py` as a module."""
+    """Import `benchmarks/<name>.py` as a module, with benchmarks/ on the path as when
+    it runs as a script (a benchmark may import another: `from cpu_kernel import ...`)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there

@@ -21,13 +21,11 @@
 
 from __future__ import annotations
 
-import random
 import re
 
 import pytest
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.models.tiny import vocabulary
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.runner.engine import generate
 
@@ -41,11 +39,8 @@ CHUNK4 = {"chunk_size": 4, "window": 8, "sink_tokens": 2}
 
 
 def _rounds() -> list[list[list[int]]]:
-    rng = random.Random(2)
-    vocab = vocabulary()
-    bos, words = vocab.index("<bos>"), [i for i, w in enumerate(vocab) if w.startswith("w")]
-    first = [[bos] + rng.choices(words, k=n) for n in (90, 37, 6)]
-    return [first, [first[0] + rng.choices(words, k=11)]]  # the second round hits the prefix cache
+    first = prompts(seed=2, count=3)
+    return [first, [first[0] + first[1][1:12]]]  # the second round extends a prompt: a prefix-cache hit
 
 
 def _capacity(log: str) -> int:
