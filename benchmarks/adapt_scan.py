@@ -13,6 +13,9 @@ both.
     python benchmarks/adapt_scan.py $(vllm-chunked-kv models fetch smollm2-135m --adapted | tail -1) \\
         --window 512 --per-phase 128 --json results/adapt_scan.json
 
+`--context N` uses the long prompts of `vllm-chunked-kv demo --context N`
+instead (a hybrid model's facts beyond its sliding window too).
+
 Prints one JSON object (accuracy with its Wilson interval, accuracy by phase, phase gap,
 where the needles were placed, how far back, the misses that were the
 in-window distractor's code, the misses that were the right digits in
@@ -117,10 +120,11 @@ def served_dtype(dtype: str | None) -> str:
     return defaults[defaults.index("--dtype") + 1]
 
 
-def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path, dtype: str | None = None) -> dict:
+def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path, dtype: str | None = None,
+            context: int | None = None) -> dict:
     settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
     started = time.monotonic()
-    summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype)
+    summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype, context=context)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     needle = summary["results"]["needle"]
     correct = sum(r["correct"] for r in records)
@@ -129,6 +133,7 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
     hits = hits_by_needle(records, lines)
     return {
         "model": str(model), "served": settings or "default backend", "dtype": served_dtype(dtype), "window": window,
+        "context": context,
         "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
         "probes": len(records), "correct": correct, "accuracy": correct / len(records),
         "accuracy_ci": list(wilson(correct, len(records))), "accuracy_ci_by_needle": by_needle_ci(hits),
@@ -150,6 +155,9 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--window", type=int, default=real_model.CHUNKED["window"],
                         help="place needles beyond this raw window (default: the demo's 128)")
+    parser.add_argument("--context", type=int,
+                        help="prompts of about this many tokens, needles far back (`demo --context`: at 4,096 "
+                        "1,100-2,800 tokens back, at 16,384 900-11,000); replaces --window")
     parser.add_argument("--per-phase", type=int, default=256)
     parser.add_argument("--default-backend", action="store_true", help="serve without chunked_kv")
     parser.add_argument("--out", type=Path, help="scan output directory (default: a temporary one)")
@@ -158,7 +166,7 @@ def main() -> None:
                         help="serving dtype (default: real_model.SERVE_DEFAULTS's bfloat16; float32 on a CPU without native bf16)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="adapt-scan-"))
-    result = measure(args.model, args.window, args.per_phase, args.default_backend, out, args.dtype)
+    result = measure(args.model, args.window, args.per_phase, args.default_backend, out, args.dtype, args.context)
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

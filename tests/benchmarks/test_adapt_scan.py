@@ -4,7 +4,8 @@
   (the server reports that file's window on its config route) and scans the shipped prose
   task with the needles placed beyond the requested window: every needle's
   distance is at least that window plus a chunk, and a longer window gives
-  longer prompts with the needles further back.
+  longer prompts with the needles further back; `context` asks for the long
+  prompts of `demo --context` instead.
 - The result counts every probe, its Wilson interval contains the accuracy,
   its phases (0..hop-1) add up to the probes and the correct ones, and the
   distractor misses and the reordered misses are subsets of the misses.
@@ -112,3 +113,17 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         assert sum(g["n"] for g in phases.values()) == result["probes"]
         assert sum(g["correct"] for g in phases.values()) == result["correct"]
     assert far["prompt_tokens"][0] > near["prompt_tokens"][1] and far["distance"][0] > near["distance"][0]
+
+
+def test_long_prompts_go_to_the_scan(bench, adapted_dir, tmp_path, monkeypatch):
+    """`--context N` reaches the scan as `demo --context N` places its needles."""
+    seen = {}
+
+    def scan_mode(model, settings, per_phase, out, **kwargs):
+        seen.update(kwargs, settings=settings)
+        raise StopIteration
+
+    monkeypatch.setattr(real_model, "scan_mode", scan_mode)
+    with pytest.raises(StopIteration):
+        bench.measure(adapted_dir, 128, 4, False, tmp_path / "long", context=4096)
+    assert seen["context"] == 4096 and seen["settings"] == SETTINGS
