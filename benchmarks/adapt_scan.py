@@ -36,7 +36,7 @@ from pathlib import Path
 
 from vllm_chunked_kv.demo import real_model
 from vllm_chunked_kv.scan.stats import clustered_wilson, wilson
-from vllm_chunked_kv.core.serve_file import SERVE_FILE
+from vllm_chunked_kv.core.serve_file import read_serve_settings
 
 
 def task_lines() -> list[dict]:
@@ -122,7 +122,7 @@ def served_dtype(dtype: str | None) -> str:
 
 def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path, dtype: str | None = None,
             context: int | None = None) -> dict:
-    settings = None if default_backend else json.loads((model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
+    settings = None if default_backend else read_serve_settings(model)
     started = time.monotonic()
     summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype, context=context)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]

@@ -35,7 +35,7 @@ from vllm_chunked_kv.adapt import data
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.hf.attention import chunked_attention
 from vllm_chunked_kv.ops.masked import extended_kv
-from vllm_chunked_kv.core.serve_file import SERVE_FILE
+from vllm_chunked_kv.core.serve_file import read_serve_settings
 
 
 def span_mass(model, cfg: ChunkedKVConfig, ids: list[int], span: list[int],
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("a model directory (or --from-json) is required")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = json.loads((args.model / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
+    settings = read_serve_settings(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     result = measure(model, AutoTokenizer.from_pretrained(args.model), ChunkedKVConfig(**settings),
                      args.rows, args.length, args.min_distance, args.seed)

@@ -30,16 +30,13 @@ from capacity import capacity_tokens, theoretical_ratio  # benchmarks/: run as a
 from vllm_chunked_kv.backend.raw_cache import kept_tail_rows
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.core.serve_file import serve_file_of
+from vllm_chunked_kv.core.serve_file import read_serve_settings, serve_file_of
 
 DEFAULT_SETTINGS = {"chunk_size": 4, "window": 128, "sink_tokens": 4}
 
 
 def settings_of(model: Path) -> dict:
-    path = serve_file_of(model)
-    if path is None:
-        return DEFAULT_SETTINGS
-    return json.loads(path.read_text())["additional_config"]["chunked_kv"]
+    return DEFAULT_SETTINGS if serve_file_of(model) is None else read_serve_settings(model)
 
 
 def budget_tokens(model: Path, engine: dict) -> tuple[float, int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from vllm_chunked_kv.adapt import train
-from vllm_chunked_kv.core.serve_file import serve_settings
+from vllm_chunked_kv.core.serve_file import read_serve_settings, serve_settings
 
 _STEP = re.compile(r"^step (\d+)/(\d+) (.*)$")
 
@@ -196,7 +196,7 @@ def render_card(adapter_dir: Path) -> str:
     """The ADAPT.md of a shipped adapter directory, from the files in `CARD_INPUTS`."""
     meta = json.loads((adapter_dir / "adapter.json").read_text())
     served = json.loads((adapter_dir / "served.json").read_text())
-    settings = json.loads((adapter_dir / "chunked_kv_serve.json").read_text())["additional_config"]["chunked_kv"]
+    settings = read_serve_settings(adapter_dir)
     log = [json.loads(line) for line in (adapter_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
     layers = len(meta["slot_gains"]) if meta.get("slot_gains") and isinstance(meta["slot_gains"][0], list) else 0
     lines = [

@@ -45,7 +45,7 @@ from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.plans.policy import decode_plan_on_device, plan_step
 from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan
 from vllm_chunked_kv.backend.raw_cache import PagedRows, RawPagesMetadata, attach_raw_pages
-from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings, step_link
+from vllm_chunked_kv.backend import BACKEND_NAME, alignment, settings, startup_checks, step_link
 from vllm_chunked_kv.backend.layer_grid import layer_grids
 from vllm_chunked_kv.backend.static_plans import StaticPlans
 
@@ -56,7 +56,7 @@ class ChunkedKVBackend(PagedRows, AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32", *fp8.FORMATS]
+    supported_kv_cache_dtypes: ClassVar[list] = list(startup_checks.CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:

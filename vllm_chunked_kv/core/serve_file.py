@@ -58,6 +58,11 @@ def _read(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / SERVE_FILE).read_text())
 
 
+def read_serve_settings(model_dir: Path) -> dict:
+    """The "chunked_kv" section a model directory says it is served with, as written."""
+    return _read(model_dir)["additional_config"][ADDITIONAL_CONFIG_KEY]
+
+
 def read_serve_config(model_dir: Path) -> ChunkedKVConfig:
     """The compression a model directory says it is served with."""
     return ChunkedKVConfig.from_additional_config(_read(model_dir)["additional_config"])

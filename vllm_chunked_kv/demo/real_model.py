@@ -49,9 +49,9 @@ def modes_for(adapted_dir: Path | None) -> list[tuple[str, Path | None, dict | N
     """(row name, model directory or None for the base model, settings) for every row."""
     rows = [(name, None, None if base is None else {**CHUNKED, **base}) for name, base in MODES.items()]
     if adapted_dir is not None:
-        from vllm_chunked_kv.core.serve_file import SERVE_FILE
+        from vllm_chunked_kv.core.serve_file import read_serve_settings
 
-        served = json.loads((adapted_dir / SERVE_FILE).read_text())["additional_config"]["chunked_kv"]
+        served = read_serve_settings(adapted_dir)
         rows += [
             (f"{ADAPTED}: default backend", adapted_dir, None),
             (f"{ADAPTED}: as adapted ({served.get('stagger', 'none')} grids)", adapted_dir, served),

@@ -108,9 +108,8 @@ def chunked_attention_forward(
 
 def _as_stored(keys: torch.Tensor, values: torch.Tensor, cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[..., D]`` and values ``[..., Dv]`` as FP8 pages of `cache_dtype` (scales 1) give them back."""
-    fmt = fp8.PageFormat(cache_dtype, keys.shape[-1])
-    rows = fp8.round_trip(torch.cat([keys, values.to(keys.dtype)], dim=-1), fmt).to(keys.dtype)  # [..., D + Dv]
-    return rows[..., : keys.shape[-1]], rows[..., keys.shape[-1]:]
+    stored_keys, stored_values = fp8.round_trip_kv(keys, values, fp8.PageFormat(cache_dtype, keys.shape[-1]))
+    return stored_keys.to(keys.dtype), stored_values.to(values.dtype)
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,

@@ -135,8 +135,12 @@ def choose(device=None, *, impl: str | None = None, head_size: int | None = None
     """The implementation to use (see the module docstring for the order).
     ``impl`` (else ``CHUNKED_KV_IMPL``) names one: it is checked, not searched."""
     device = resolve_device(device)
-    forced = impl or os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    return _choose(device.type, forced, head_size, head_size_v, group, cache_dtype)
+    return _choose(device.type, impl or forced_impl(), head_size, head_size_v, group, cache_dtype)
+
+
+def forced_impl() -> str:
+    """What ``CHUNKED_KV_IMPL`` names, lower-cased: "auto" when unset or empty."""
+    return os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
 
 
 def _choose(device_type: str, forced: str, head_size, head_size_v, group, cache_dtype=None) -> str:
@@ -178,7 +182,7 @@ def forced_fp8_refusal(cache_dtype: str) -> str | None:
     """Why the implementation forced by ``CHUNKED_KV_IMPL`` cannot serve FP8 pages
     (`cache_dtype`), or None: unforced, or it reads them. Checked at startup, so
     the server stops with one line instead of upcasting the cache."""
-    forced = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    forced = forced_impl()
     unable = [part for part in forced.split("+") if part in IMPLS and part not in FP8_READERS]
     if forced == "auto" or not unable:
         return None

@@ -76,3 +76,9 @@ def dequantise(stored: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
 def round_trip(rows: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
     """What storing `rows` and reading them back gives, fp32 (the reference's view of FP8 pages)."""
     return dequantise(quantise(rows, fmt), fmt)
+
+
+def round_trip_kv(keys: torch.Tensor, values: torch.Tensor, fmt: PageFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[..., Dk]`` and values ``[..., Dv]`` stored as one row each and read back, fp32."""
+    rows = round_trip(torch.cat([keys.float(), values.float()], dim=-1), fmt)  # [..., Dk + Dv]
+    return rows[..., : keys.shape[-1]], rows[..., keys.shape[-1]:]

@@ -213,7 +213,4 @@ def reference_chunked_attention(
 
 def _stored(keys: torch.Tensor, values: torch.Tensor, fmt: PageFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[..., D]`` and values ``[..., Dv]`` as pages of format `fmt` give them back (None: unchanged)."""
-    if fmt is None:
-        return keys, values
-    rows = fp8.round_trip(torch.cat([keys, values], dim=-1), fmt)  # [..., D + Dv]
-    return rows[..., : keys.shape[-1]], rows[..., keys.shape[-1]:]
+    return (keys, values) if fmt is None else fp8.round_trip_kv(keys, values, fmt)
