@@ -38,6 +38,8 @@ struct WriteArgs {
   int pool_lo, pool_hi;  // pooled slots [pool_lo, pool_hi): the interior with keep_boundary
   bool key_norm;
   DType step_dtype, cache_dtype;
+  // FP8 pages: a stored key element times key_scale is the key (values: value_scale); 1 otherwise.
+  float key_scale, value_scale;
   int num_threads;  // CPU: OpenMP threads
 };
 
@@ -79,6 +81,9 @@ struct AttendArgs {
   const float* sinks;  // [num_heads] the model's learned sink logits (in each softmax's denominator), or null
   int lookback;        // the layer's own sliding window: a query at t reads j only if t - j < lookback; 0: none
   DType query_dtype, step_dtype, cache_dtype, out_dtype;
+  // FP8 pages: a stored key element times key_scale is the key (values: value_scale), the step's own
+  // rows included (they are passed as their stored bytes); 1 otherwise.
+  float key_scale, value_scale;
   bool query_is_bf16;   // CPU: the fp32 queries hold bf16 values exactly (bf16 dot products allowed)
   int num_threads;      // CPU: OpenMP threads
   int64_t* pair_tiles;  // CPU: out or null: += tiles whose values took bf16 pair products (chunked_kv_cpu_bf16.h)

@@ -22,7 +22,22 @@ using chunked_kv_types::DType;
 using chunked_kv_types::MergeArgs;
 using chunked_kv_types::WriteArgs;
 
-inline DType dtype_of(const Tensor& t, const char* name) {
+// FP8 pages (vllm_chunked_kv/ops/fp8.py): vLLM's --kv-cache-dtype ("fp8", "fp8_e4m3", "fp8_e5m2") and the
+// layer's scales; format "" for caches in the model's dtype. The caches are then uint8 tensors.
+struct Pages {
+  std::string format;
+  double k_scale = 1.0, v_scale = 1.0;
+};
+
+inline DType fp8_dtype(const std::string& format) {
+  if (format == "fp8" || format == "fp8_e4m3") return DType::kFloat8E4m3;
+  TORCH_CHECK(format == "fp8_e5m2", "chunked_kv: unknown FP8 format ", format);
+  return DType::kFloat8E5m2;
+}
+
+// A tensor's storage dtype: its own, or for bytes the FP8 format of the pages.
+inline DType dtype_of(const Tensor& t, const char* name, const Pages& pages = {}) {
+  if (t.scalar_type() == at::kByte && !pages.format.empty()) return fp8_dtype(pages.format);
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
@@ -67,6 +82,18 @@ void set_row_strides(Args& a, const Tensor& step_rows, const Tensor& raw_cache, 
   a.stride_cs = comp_cache.stride(2);
 }
 
+// The step rows' and caches' dtypes and the FP8 pages' scales, into WriteArgs or AttendArgs.
+template <typename Args>
+void set_pages(Args& a, const Tensor& step_rows, const Tensor& comp_cache, const Pages& pages) {
+  a.step_dtype = dtype_of(step_rows, "step_rows", pages);
+  a.cache_dtype = dtype_of(comp_cache, "comp_cache", pages);
+  const bool fp8 = a.cache_dtype == DType::kFloat8E4m3 || a.cache_dtype == DType::kFloat8E5m2;
+  TORCH_CHECK(fp8 || pages.format.empty(), "chunked_kv: FP8 pages must be uint8 tensors");
+  TORCH_CHECK(pages.k_scale > 0 && pages.v_scale > 0, "chunked_kv: FP8 scales must be positive");
+  a.key_scale = static_cast<float>(pages.k_scale);
+  a.value_scale = static_cast<float>(pages.v_scale);
+}
+
 // Rows of `dim` dimensions on the binding's device.
 template <typename OnDevice>
 void check_rows(const OnDevice& on_device, const Tensor& t, const char* name, int64_t dim) {
@@ -102,7 +129,8 @@ template <typename OnDevice>
 WriteArgs write_args(const OnDevice& on_device, const Tensor& comp_cache, const Tensor& raw_cache,
                      const Tensor& step_rows, const Tensor& gains, const Tensor& heads, const Tensor& src_blocks,
                      const Tensor& src_offsets, const Tensor& src_step, const Tensor& dst_blocks,
-                     const Tensor& dst_offsets, int64_t head_d, int64_t pool_lo, int64_t pool_hi, bool key_norm) {
+                     const Tensor& dst_offsets, int64_t head_d, int64_t pool_lo, int64_t pool_hi, bool key_norm,
+                     const Pages& pages = {}) {
   check_rows(on_device, comp_cache, "comp_cache", 4);
   check_rows(on_device, raw_cache, "raw_cache", 4);
   check_rows(on_device, step_rows, "step_rows", 3);
@@ -141,8 +169,7 @@ WriteArgs write_args(const OnDevice& on_device, const Tensor& comp_cache, const 
   a.pool_lo = static_cast<int>(pool_lo);
   a.pool_hi = static_cast<int>(pool_hi);
   a.key_norm = key_norm;
-  a.step_dtype = dtype_of(step_rows, "step_rows");
-  a.cache_dtype = dtype_of(comp_cache, "comp_cache");
+  set_pages(a, step_rows, comp_cache, pages);
   return a;
 }
 
@@ -162,7 +189,7 @@ AttendArgs attend_args(const OnDevice& on_device, const Tensor& query, const Ten
                        const Tensor& num_slots, int64_t comp_rows_per_page, const Tensor& origins, double scale,
                        double log_weight, int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop,
                        int64_t slots_per_group, int64_t tile_q, int64_t num_splits, double softcap,
-                       const Tensor& sinks, int64_t lookback) {
+                       const Tensor& sinks, int64_t lookback, const Pages& pages = {}) {
   check_rows(on_device, query, "query", 3);
   check_rows(on_device, step_rows, "step_rows", 3);
   check_rows(on_device, comp_cache, "comp_cache", 4);
@@ -244,8 +271,7 @@ AttendArgs attend_args(const OnDevice& on_device, const Tensor& query, const Ten
   TORCH_CHECK(lookback >= 0, "chunked_kv: lookback must be >= 0");
   a.lookback = to_int(lookback, "lookback");
   a.query_dtype = dtype_of(query, "query");
-  a.step_dtype = dtype_of(step_rows, "step_rows");
-  a.cache_dtype = dtype_of(comp_cache, "comp_cache");
+  set_pages(a, step_rows, comp_cache, pages);
   a.out_dtype = dtype_of(out, "out");
   return a;
 }

@@ -7,7 +7,8 @@
 
 namespace chunked_kv_types {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// kFloat8*: FP8 pages (vllm_chunked_kv/ops/fp8.py), bytes read with a scale per page set.
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4m3 = 3, kFloat8E5m2 = 4 };
 
 // What compressed slot s of a group of slots_per_group holds.
 enum SlotKind : int { kPooled = 0, kFirst = 1, kLast = 2 };

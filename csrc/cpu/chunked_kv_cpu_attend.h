@@ -153,7 +153,7 @@ static void load_queries(const AttendArgs& a, Tile& t, const int64_t* tokens, in
   const float* query = static_cast<const float*>(a.query);  // fp32 on CPU
   for (int r = 0; r < t.rows; ++r) {
     const float* src = query + tokens[r / group] * a.stride_qt + (int64_t)(head * group + r % group) * a.stride_qh;
-    for (int d = 0; d < t.dp; ++d) t.q[r * t.dp + d] = d < t.head_d ? src[d] * a.scale : 0.f;
+    for (int d = 0; d < t.dp; ++d) t.q[r * t.dp + d] = d < t.head_d ? src[d] * a.scale * a.key_scale : 0.f;
     if (t.dot_bf16)
       for (int d = 0; d < q_stride; ++d) t.q_bf16[r * q_stride + d] = d < t.head_d ? from_float<Bf16>(src[d]).bits : 0;
     t.m[r] = kNegBig;
@@ -240,14 +240,14 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
 
   for (int r = 0; r < t.rows; ++r) {
     const int64_t token = tokens[r / group], q_head = (int64_t)head * group + r % group;
-    const float* acc = t.acc + r * t.dvp;
+    const float* acc = t.acc + r * t.dvp;  // sum of p * stored values: times value_scale (FP8 pages) is the output
     if (a.num_splits == 1) {
-      store_out(a.out_dtype, a.out, token * a.stride_ot + q_head * a.stride_oh, acc, t.l[r] > 0 ? 1.f / t.l[r] : 0.f,
-                t.head_dv);
+      store_out(a.out_dtype, a.out, token * a.stride_ot + q_head * a.stride_oh, acc,
+                t.l[r] > 0 ? a.value_scale / t.l[r] : 0.f, t.head_dv);
       continue;
     }
     const int64_t flat = (split * a.num_tokens + token) * a.num_heads + q_head;
-    for (int d = 0; d < t.head_dv; ++d) a.part_acc[flat * t.head_dv + d] = acc[d];
+    for (int d = 0; d < t.head_dv; ++d) a.part_acc[flat * t.head_dv + d] = acc[d] * a.value_scale;
     a.part_ml[flat] = t.m[r];
     a.part_ml[(int64_t)a.num_splits * a.num_tokens * a.num_heads + flat] = t.l[r];
   }
@@ -282,7 +282,7 @@ static TileBuffers make_buffers(const AttendArgs& a) {
   t->head_dv = a.head_dv;
   t->dp = dp;
   t->dvp = dvp;
-  t->post_scale = a.scale;
+  t->post_scale = a.scale * a.key_scale;
   t->softcap = a.softcap;
   return {t, b, mem};
 }

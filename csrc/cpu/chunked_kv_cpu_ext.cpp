@@ -79,9 +79,12 @@ const int64_t* index(const Tensor& t, const char* name, int64_t rows, int64_t co
   return chunked_kv_binding::index(on_cpu, t, name, rows, cols);
 }
 
-// The step rows must be in the cache dtype or fp32 (the wrapper converts others).
+// The step rows must be in the cache dtype or fp32 (the wrapper converts others); on FP8 pages, their stored bytes.
 void check_step_dtype(DType step, DType cache) {
-  TORCH_CHECK(step == cache || step == DType::kFloat32, "chunked_kv: step_rows must be fp32 or the cache dtype");
+  const bool fp8 = cache == DType::kFloat8E4m3 || cache == DType::kFloat8E5m2;
+  TORCH_CHECK(step == cache || (step == DType::kFloat32 && !fp8),
+              fp8 ? "chunked_kv: on FP8 pages step_rows must be the step's stored bytes (uint8)"
+                  : "chunked_kv: step_rows must be fp32 or the cache dtype");
 }
 
 // Zero the slots below a head's first group (`ChunkWrites.zero_*`); entries
@@ -108,10 +111,10 @@ void write_chunks(Tensor comp_cache, const Tensor& raw_cache, const Tensor& step
                   const Tensor& heads, const Tensor& src_blocks, const Tensor& src_offsets, const Tensor& src_step,
                   const Tensor& dst_blocks, const Tensor& dst_offsets, const Tensor& zero_heads,
                   const Tensor& zero_blocks, const Tensor& zero_offsets, int64_t head_d, int64_t pool_lo,
-                  int64_t pool_hi, bool key_norm) {
-  chunked_kv_cpu::WriteArgs a =
-      chunked_kv_binding::write_args(on_cpu, comp_cache, raw_cache, step_rows, gains, heads, src_blocks, src_offsets,
-                                     src_step, dst_blocks, dst_offsets, head_d, pool_lo, pool_hi, key_norm);
+                  int64_t pool_hi, bool key_norm, const std::string& fp8, double k_scale, double v_scale) {
+  chunked_kv_cpu::WriteArgs a = chunked_kv_binding::write_args(
+      on_cpu, comp_cache, raw_cache, step_rows, gains, heads, src_blocks, src_offsets, src_step, dst_blocks,
+      dst_offsets, head_d, pool_lo, pool_hi, key_norm, {fp8, k_scale, v_scale});
   TORCH_CHECK(a.chunk_size <= chunked_kv_cpu::kMaxChunk, "chunked_kv: chunk_size above ", chunked_kv_cpu::kMaxChunk);
   check_step_dtype(a.step_dtype, a.cache_dtype);
   zero_slots(comp_cache, zero_heads, zero_blocks, zero_offsets);
@@ -127,12 +130,12 @@ void attend(const Tensor& query, bool query_is_bf16, const Tensor& step_rows, co
             const Tensor& num_slots, int64_t comp_rows_per_page, const Tensor& origins, double scale,
             double log_weight, int64_t window, int64_t sink_tokens, int64_t chunk_size, int64_t hop,
             int64_t slots_per_group, int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks,
-            int64_t lookback) {
+            int64_t lookback, const std::string& fp8, double k_scale, double v_scale) {
   chunked_kv_cpu::AttendArgs a = chunked_kv_binding::attend_args(
       on_cpu, query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, query_index, query_positions,
       raw_blocks, raw_offsets, raw_positions, num_raw, comp_blocks, comp_offsets, num_slots, comp_rows_per_page,
       origins, scale, log_weight, window, sink_tokens, chunk_size, hop, slots_per_group, tile_q, num_splits, softcap,
-      sinks, lookback);
+      sinks, lookback, {fp8, k_scale, v_scale});
   TORCH_CHECK(a.query_dtype == DType::kFloat32, "chunked_kv: query must be fp32 (the wrapper converts it)");
   check_step_dtype(a.step_dtype, a.cache_dtype);
   const int group = a.num_heads / a.num_kv_heads;
@@ -235,8 +238,9 @@ std::vector<std::string> supported_isas() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_raw", &write_raw, "Store the step rows of some tokens at their raw slots");
-  m.def("write_chunks", &write_chunks, "Pool the chunks a step completes into their compressed slots");
-  m.def("attend", &attend, "Chunked attention of one key set's queries");
+  m.def("write_chunks", &write_chunks,
+        "Pool the chunks a step completes into their compressed slots (fp8: the FP8 format of uint8 pages, or '')");
+  m.def("attend", &attend, "Chunked attention of one key set's queries (fp8: the FP8 format of uint8 pages, or '')");
   m.def("decode_plan", &decode_plan, "The index plan of a uniform decode batch (ops/plans/decode_plan.py)");
   m.def("plan_calls", [] { return g_plan_calls.load(); }, "decode_plan calls so far");
   m.def("pair_value_tiles", [] { return g_pair_tiles.load(); },

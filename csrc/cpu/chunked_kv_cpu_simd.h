@@ -4,8 +4,10 @@
 // internal (static): each instruction set's copy stays in its own object.
 //
 // `vf` holds W fp32 lanes. Loads convert from the storage types (fp32, bf16,
-// fp16) to fp32; the `_n` loads read the first n < W elements, zero-filling
-// the rest, and never touch memory beyond them.
+// fp16, and the FP8 pages' bytes: E4M3, E5M2) to fp32; the `_n` loads read
+// the first n < W elements, zero-filling the rest, and never touch memory
+// beyond them. An FP8 byte loads as the value it encodes (its page's scale
+// is applied by the kernels, vllm_chunked_kv/ops/fp8.py).
 #pragma once
 
 #include <math.h>
@@ -21,6 +23,15 @@ namespace {
 
 struct Bf16 { uint16_t bits; };  // storage types of the caches, step rows and out
 struct Half { uint16_t bits; };
+struct E4m3 { uint8_t bits; };   // FP8 pages: float8_e4m3fn (largest 448, NaN 0x7f / 0xff, no infinity)
+struct E5m2 { uint8_t bits; };   // FP8 pages: float8_e5m2 (the top byte of an fp16)
+
+// E4M3 as fp16 bits, 2^-8 times its value: exponent and mantissa moved into
+// fp16's fields (a bias of 15 instead of 7), NaN where all seven are set.
+static inline uint16_t e4m3_half_bits(uint8_t b) {
+  if ((b & 0x7f) == 0x7f) return 0x7e00;
+  return static_cast<uint16_t>(((b & 0x7f) << 7) | ((b & 0x80) << 8));
+}
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(Bf16 x) {
@@ -33,6 +44,29 @@ static inline float to_float(Half x) {
   _Float16 h;
   memcpy(&h, &x.bits, 2);
   return static_cast<float>(h);
+}
+
+static inline float to_float(E4m3 x) { return to_float(Half{e4m3_half_bits(x.bits)}) * 256.f; }
+static inline float to_float(E5m2 x) { return to_float(Half{static_cast<uint16_t>(x.bits << 8)}); }
+
+// x in an FP8 format of `man` mantissa bits and exponent bias `bias`, rounded
+// to nearest even, saturated at `largest` (NaN stays NaN: 0x7f with its
+// sign, a NaN in both formats).
+static inline uint8_t fp8_bits(float x, int man, int bias, float largest) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7f);
+  float a = fabsf(x);
+  a = a < largest ? a : largest;
+  const float min_normal = ldexpf(1.f, 1 - bias);
+  if (a < min_normal)  // subnormal (or zero): multiples of min_normal / 2^man, rounded to nearest even
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(rintf(ldexpf(a, bias - 1 + man))));
+  memcpy(&u, &a, 4);
+  const int shift = 23 - man;
+  u += (1u << (shift - 1)) - 1u + ((u >> shift) & 1u);  // round the mantissa to `man` bits, to nearest even
+  u >>= shift;
+  return static_cast<uint8_t>(sign | (u - (static_cast<uint32_t>(127 - bias) << man)));
 }
 
 template <typename T> static inline T from_float(float x);
@@ -50,6 +84,13 @@ template <> inline Half from_float<Half>(float x) {
   memcpy(&out.bits, &h, 2);
   return out;
 }
+
+template <> inline E4m3 from_float<E4m3>(float x) { return E4m3{fp8_bits(x, 3, 7, 448.f)}; }
+template <> inline E5m2 from_float<E5m2>(float x) { return E5m2{fp8_bits(x, 2, 15, 57344.f)}; }
+
+template <typename T> struct IsFp8 { static constexpr bool value = false; };
+template <> struct IsFp8<E4m3> { static constexpr bool value = true; };
+template <> struct IsFp8<E5m2> { static constexpr bool value = true; };
 
 // x rounded to the storage type T and back (what storing it in T keeps).
 template <typename T> static inline float round_to(float x) { return to_float(from_float<T>(x)); }
@@ -77,6 +118,19 @@ static inline vf vload(const Bf16* p) { return bf16_lanes(_mm256_loadu_si256(rei
 static inline vf vload_n(const Bf16* p, int n) { return bf16_lanes(_mm256_maskz_loadu_epi16(first_n(n), p)); }
 static inline vf vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 static inline vf vload_n(const Half* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_n(n), p)); }
+// 16 FP8 bytes widened to 16-bit lanes, as fp16 bits (E4M3: 2^-8 of the value, NaN kept), then fp32.
+static inline vf e4m3_lanes(__m128i b) {
+  const __m256i x = _mm256_cvtepu8_epi16(b);
+  const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+  h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7e00));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+static inline vf e5m2_lanes(__m128i b) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8)); }
+static inline vf vload(const E4m3* p) { return e4m3_lanes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline vf vload_n(const E4m3* p, int n) { return e4m3_lanes(_mm_maskz_loadu_epi8(first_n(n), p)); }
+static inline vf vload(const E5m2* p) { return e5m2_lanes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline vf vload_n(const E5m2* p, int n) { return e5m2_lanes(_mm_maskz_loadu_epi8(first_n(n), p)); }
 static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -127,6 +181,17 @@ static inline vf vload(const Bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 static inline vf vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 FP8 bytes, as in the AVX-512 loads.
+static inline vf vload(const E4m3* p) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f));
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan)), _mm256_set1_ps(256.f));
+}
+static inline vf vload(const E5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+}
 template <typename T>
 static inline vf vload_n(const T* p, int n) {  // through a zeroed copy: no 16-bit masked loads in AVX2
   T tmp[W];

@@ -4,7 +4,9 @@
 // row, rounded to the cache dtype, or the stored raw row) in fp32, weigh the
 // pooled slots (fixed normalised gains, or the softmax of the keys' L2
 // norms for key_norm), store the pooled row and, with boundary retention,
-// the chunk's first and last rows. Included by each instruction set's
+// the chunk's first and last rows. FP8 pages: the step's rows come as their
+// stored bytes, every row is read as bytes times its scale (keys k_scale,
+// values v_scale) and the pooled row is divided by them and rounded once. Included by each instruction set's
 // translation unit; then the table of that instruction set's kernels.
 #pragma once
 
@@ -19,16 +21,18 @@ template <typename TC, typename TS>
 static void write_chunk(const WriteArgs& a, int64_t c, float* rows) {
   const int cs = a.chunk_size, width = a.head_d + a.head_dv;
   const int64_t head = a.heads[c];
+  // Element d of a stored row times scale(d) is its value (1 unless the pages are FP8).
+  const auto scale = [&](int d) { return d < a.head_d ? a.key_scale : a.value_scale; };
   for (int s = 0; s < cs; ++s) {
     const int64_t src = c * cs + s, token = a.src_step[src];
     float* dst = rows + (int64_t)s * width;
-    if (token >= 0) {
+    if (token >= 0) {  // FP8: TS is TC, the step's stored bytes
       const TS* row = static_cast<const TS*>(a.step_rows) + token * a.stride_st + head * a.stride_sh;
-      for (int d = 0; d < width; ++d) dst[d] = round_to<TC>(to_float(row[d]));
+      for (int d = 0; d < width; ++d) dst[d] = round_to<TC>(to_float(row[d])) * scale(d);
     } else {
       const TC* row = static_cast<const TC*>(a.raw_cache) + a.src_blocks[src] * a.stride_rb + head * a.stride_rh +
                       a.src_offsets[src] * a.stride_rs;
-      for (int d = 0; d < width; ++d) dst[d] = to_float(row[d]);
+      for (int d = 0; d < width; ++d) dst[d] = to_float(row[d]) * scale(d);
     }
   }
   float weight[kMaxChunk];
@@ -53,14 +57,14 @@ static void write_chunk(const WriteArgs& a, int64_t c, float* rows) {
   for (int d = 0; d < width; ++d) {
     float sum = 0.f;
     for (int s = a.pool_lo; s < a.pool_hi; ++s) sum += weight[s] * rows[(int64_t)s * width + d];
-    pooled[d] = from_float<TC>(sum);
+    pooled[d] = from_float<TC>(sum / scale(d));
   }
-  if (a.slots_per_group == kBoundarySlots) {
+  if (a.slots_per_group == kBoundarySlots) {  // stored rows again: the same bytes (value / scale is exact)
     TC* first = slot_row(kFirst);
     TC* last = slot_row(kLast);
     for (int d = 0; d < width; ++d) {
-      first[d] = from_float<TC>(rows[d]);
-      last[d] = from_float<TC>(rows[(int64_t)(cs - 1) * width + d]);
+      first[d] = from_float<TC>(rows[d] / scale(d));
+      last[d] = from_float<TC>(rows[(int64_t)(cs - 1) * width + d] / scale(d));
     }
   }
 }
@@ -76,10 +80,12 @@ static void write_typed(const WriteArgs& a) {
   }
 }
 
-// The step rows are in the cache dtype or in fp32 (the binding converts others).
+// The step rows are in the cache dtype or in fp32 (the binding converts others); on FP8 pages, bytes.
 template <typename TC>
 static void write_cache_typed(const WriteArgs& a) {
-  if (a.step_dtype == DType::kFloat32) return write_typed<TC, float>(a);
+  if constexpr (!IsFp8<TC>::value) {
+    if (a.step_dtype == DType::kFloat32) return write_typed<TC, float>(a);
+  }
   return write_typed<TC, TC>(a);
 }
 
@@ -87,13 +93,17 @@ static void write_chunks_impl(const WriteArgs& a) {
   switch (a.cache_dtype) {
     case DType::kBFloat16: return write_cache_typed<Bf16>(a);
     case DType::kFloat16: return write_cache_typed<Half>(a);
+    case DType::kFloat8E4m3: return write_cache_typed<E4m3>(a);
+    case DType::kFloat8E5m2: return write_cache_typed<E5m2>(a);
     default: return write_cache_typed<float>(a);
   }
 }
 
 template <typename TC>
 static void attend_cache_typed(const AttendArgs& a) {
-  if (a.step_dtype == DType::kFloat32) return attend_typed<TC, float>(a);
+  if constexpr (!IsFp8<TC>::value) {
+    if (a.step_dtype == DType::kFloat32) return attend_typed<TC, float>(a);
+  }
   return attend_typed<TC, TC>(a);
 }
 
@@ -101,6 +111,8 @@ static void attend_impl(const AttendArgs& a) {
   switch (a.cache_dtype) {
     case DType::kBFloat16: return attend_cache_typed<Bf16>(a);
     case DType::kFloat16: return attend_cache_typed<Half>(a);
+    case DType::kFloat8E4m3: return attend_cache_typed<E4m3>(a);
+    case DType::kFloat8E5m2: return attend_cache_typed<E5m2>(a);
     default: return attend_cache_typed<float>(a);
   }
 }

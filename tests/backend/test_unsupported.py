@@ -38,7 +38,7 @@ CASES = {
     ),
     "no hybrid manager": (["--disable-hybrid-kv-cache-manager"], "--disable-hybrid-kv-cache-manager is not supported"),
     "fp8 pages, kernels that cannot read them": (
-        ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: CHUNKED_KV_IMPL=cpp names kernels that do not read FP8 pages",
+        ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: CHUNKED_KV_IMPL=triton names kernels that do not read FP8 pages",
     ),
     "speculative decoding": (
         ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
@@ -64,7 +64,7 @@ def sliding_window_model(tiny_qwen, tmp_path_factory):
     return path
 
 
-ENV = {"fp8 pages, kernels that cannot read them": {"CHUNKED_KV_IMPL": "cpp"}}  # what a case adds to the environment
+ENV = {"fp8 pages, kernels that cannot read them": {"CHUNKED_KV_IMPL": "triton"}}  # what a case adds to the environment
 PER_KIND = ["--attention-config", json.dumps({"backend_per_kind": {"full_attention": "CHUNKED_KV"}})]
 PER_KIND_SPECULATIVE = "speculative decoding, CHUNKED_KV per kind"
 

@@ -157,7 +157,7 @@ def test_binding_rejects_strided_rows(module):
     index = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         module.write_chunks(cache, cache, torch.zeros(3, 2, 8), torch.zeros(4), index[0, :1], index, index, index,
-                            index[:, :1], index[:, :1], *[index[0, :0]] * 3, 4, 0, 4, False)
+                            index[:, :1], index[:, :1], *[index[0, :0]] * 3, 4, 0, 4, False, "", 1.0, 1.0)
 
 
 def test_write_chunks_zeroes_unused_slots_in_its_call(module):

@@ -27,7 +27,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.reference import pool_chunk
 
-from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths, run_schedule
+from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
 
 @pytest.mark.parametrize("cache_dtype", [*fp8.FORMATS])
 def test_rows_are_stored_in_one_byte_with_their_scales(cache_dtype):
@@ -50,12 +50,7 @@ def test_the_two_formats_differ():
     assert torch.equal(e4m3, fp8.round_trip(x, fp8.PageFormat("fp8", head_size=1)))  # vLLM's "fp8" is E4M3
 
 
-# every setting on E4M3 pages; on E5M2 the ones that pool differently (mean, key norms, dynamic boundaries)
-SCHEDULES = [(name, "fp8") for name in sorted(CONFIGS)] + [
-    (name, "fp8_e5m2") for name in ("none", "boundary-key_norm", "dynamic")]
-
-
-@pytest.mark.parametrize("name, cache_dtype", SCHEDULES)
+@pytest.mark.parametrize("name, cache_dtype", FP8_SCHEDULES)
 def test_torch_path_equals_the_reference_on_fp8_pages(name, cache_dtype):
     cfg = ChunkedKVConfig(**CONFIGS[name])
     steps = run_schedule(cfg, kernel_lengths(cfg, 3), seed=3, impl="torch", cache_dtype=cache_dtype, tol=1e-4,
@@ -115,10 +110,11 @@ def test_dispatch_takes_an_fp8_reader(monkeypatch):
     monkeypatch.delenv(dispatch.IMPL_ENV, raising=False)
     assert dispatch.choose("cpu", head_size=8, cache_dtype="fp8") in dispatch.FP8_READERS
     assert dispatch.forced_fp8_refusal("fp8") is None
-    monkeypatch.setenv(dispatch.IMPL_ENV, "cpp+torch")
-    unable = [impl for impl in ("cpp",) if impl not in dispatch.FP8_READERS]
-    refusal = dispatch.forced_fp8_refusal("fp8")
-    assert (refusal is None) == (not unable)
-    if unable:
-        assert refusal.startswith("--kv-cache-dtype fp8: CHUNKED_KV_IMPL=cpp+torch") and "cpp" in refusal
+    for forced in ("cpp", "triton", "cuda+triton"):
+        monkeypatch.setenv(dispatch.IMPL_ENV, forced)
+        unable = [impl for impl in forced.split("+") if impl not in dispatch.FP8_READERS]
+        refusal = dispatch.forced_fp8_refusal("fp8")
+        assert (refusal is None) == (not unable), forced
+        if unable:
+            assert refusal.startswith(f"--kv-cache-dtype fp8: CHUNKED_KV_IMPL={forced}") and unable[0] in refusal
     dispatch.clear_choices()

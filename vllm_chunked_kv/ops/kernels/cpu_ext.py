@@ -23,7 +23,8 @@ slower: tests).
 ranges and positions, as the Triton and CUDA kernels compute it; the plan
 needs no bias): fp32 math over caches ``[num_blocks, Hkv, rows_per_block,
 D + Dv]`` in fp32, fp16 or bf16 with contiguous rows and any
-block/head/row strides, read in place. Queries are read as fp32 (converted
+block/head/row strides, or FP8 pages (uint8 bytes, `ops/fp8.py`), read in
+place. Queries are read as fp32 (converted
 here when they are not), step rows in the cache dtype or fp32 (others are
 converted to fp32, exactly), ``out`` is written in its own dtype.
 
@@ -42,6 +43,8 @@ from types import ModuleType
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import fp8
+from vllm_chunked_kv.ops.fp8 import PageFormat
 from vllm_chunked_kv.ops.kernels import jit, shared
 from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan, derived
 
@@ -152,11 +155,17 @@ def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Ten
     _module().write_raw(raw_cache, _rows(step_rows, raw_cache.dtype), slots.long(), tokens.contiguous())
 
 
+def _pages(fmt: PageFormat | None) -> tuple[str, float, float]:
+    """The binding's FP8 arguments: format ("" for pages in the model's dtype), k_scale, v_scale."""
+    return ("", 1.0, 1.0) if fmt is None else (fmt.cache_dtype, float(fmt.k_scale), float(fmt.v_scale))
+
+
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
-                 cfg: ChunkedKVConfig, head_size: int) -> None:
+                 cfg: ChunkedKVConfig, head_size: int, fmt: PageFormat | None = None) -> None:
     """`compressed.write_chunks` in one call: the slots below a head's first
     group zeroed (the decode plan's null-page placeholders skipped), then one
-    OpenMP loop over the chunks (index tables prepared once per step)."""
+    OpenMP loop over the chunks (index tables prepared once per step). FP8
+    pages (`fmt`): step_rows are the step's stored bytes."""
     if not writes.heads.numel() and not writes.zero_heads.numel():
         return
     slots = cfg.pooled_slots
@@ -170,13 +179,13 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     args = derived(writes, "cpp", tables)
     gains = shared.step_gains(writes, cfg, comp_cache.device)
     _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype), gains, *args,
-                           head_size, slots.start, slots.stop, cfg.pooling == "key_norm")
+                           head_size, slots.start, slots.stop, cfg.pooling == "key_norm", *_pages(fmt))
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
            block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-           lookback: int = 0) -> torch.Tensor:
+           lookback: int = 0, fmt: PageFormat | None = None) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
     ``out`` when given, with the model's logit cap, sink logits ``[Hq]`` and
@@ -184,7 +193,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     read: vLLM may have freed their pages). ``num_splits``: work items per (tile, KV head), each over a
     contiguous share of the keys (None: enough to occupy torch's threads).
     ``block_m``: queries per tile of a multi-token request (None: 128 query
-    rows)."""
+    rows). FP8 pages (`fmt`): step_rows as read back from them
+    (`fp8.round_trip`), handed to the kernel as bytes again (the stored ones,
+    exactly: a value read back divides by its scale to its byte)."""
     module = _module()
     out, group = shared.attend_output(query, raw_cache, out)
     n, num_heads, head_dv = out.shape
@@ -200,12 +211,13 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if splits > 1:
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
-    q32, steps = _rows(query, torch.float32), _step_rows(step_rows, comp_cache.dtype)
+    q32 = _rows(query, torch.float32)
+    steps = _step_rows(step_rows, comp_cache.dtype) if fmt is None else fp8.quantise(step_rows, fmt)
     key_args, grid_args = derived(plan, ("cpp", scale), lambda: shared.kernel_args(plan, scale, page_tables=True))
     sink_logits = NO_SINKS if sinks is None else sinks.to(torch.float32).contiguous()  # [Hq]
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      *args, *grid_args, tile, splits, float(softcap), sink_logits, int(lookback))
+                      *args, *grid_args, tile, splits, float(softcap), sink_logits, int(lookback), *_pages(fmt))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

@@ -1,0 +1,140 @@
+"""Contract of the C++ CPU kernels on FP8 pages (csrc/cpu/, `cpu_ext` with ``fmt=``).
+
+- Conversion: the kernels store a value as torch's cast stores it (rounded
+  to nearest even, saturated at the format's largest, NaN kept), and read
+  every one of the 256 codes of both formats as torch reads it: a chunk of
+  one row pooled with gain 1 gives back its own value; the mean of two rows
+  (where ties to even are common) gives the bytes `fp8.quantise` gives.
+- On the schedule harness (`schedule.run_schedule`, pages of bytes poisoned
+  with a NaN byte, random power-of-two scales), at every step the pages the
+  kernels write equal the PyTorch path's (`schedule._check_fp8_pages`: one
+  code apart at most, where a pooled sum rounds differently) and every
+  output equals the reference read through the same pages, for every
+  setting (`schedule.FP8_SCHEDULES`), GQA 2 and 4, the model's logit
+  options, split contexts and query tiles, on every instruction set this
+  CPU has.
+- The kernels ran: their call counters grow with PyTorch's attention
+  disabled. The binding refuses fp32 step rows over FP8 pages (it takes the
+  stored bytes) with one message.
+"""
+
+import pytest
+import torch
+
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import dispatch, fp8
+from vllm_chunked_kv.ops.kernels import compressed, cpu_ext
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
+
+from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def module():
+    cpu_ext._reset_for_tests()
+    built = cpu_ext.load()
+    assert built is not None, cpu_ext.unavailable_reasons()
+    return built
+
+
+@pytest.fixture
+def isa(module):
+    """Set an instruction set for one test; the widest again afterwards."""
+    yield module.set_isa
+    module.set_isa(module.supported_isas()[0])
+
+
+def _pool(module, rows: torch.Tensor, chunk: int, fmt: fp8.PageFormat) -> torch.Tensor:
+    """The bytes `cpu_ext.write_chunks` stores for each run of `chunk` stored rows
+    ``[M * chunk, Dk + Dv]`` (uint8) pooled with equal gains: ``[M, Dk + Dv]``."""
+    m, width = rows.shape[0] // chunk, rows.shape[1]
+    raw = rows.view(m, 1, chunk, width).clone()  # [blocks, Hkv, rows, Dk + Dv]
+    comp = torch.full((m, 1, 1, width), 0x55, dtype=torch.uint8)
+    long = dict(dtype=torch.long)
+    blocks = torch.arange(m, **long)
+    none = torch.zeros(0, **long)
+    writes = ChunkWrites(heads=torch.zeros(m, **long), src_blocks=blocks[:, None].expand(m, chunk).contiguous(),
+                         src_offsets=torch.arange(chunk, **long).expand(m, chunk).contiguous(),
+                         src_step=torch.full((m, chunk), -1, **long), dst_blocks=blocks[:, None],
+                         dst_offsets=torch.zeros(m, 1, **long), zero_heads=none, zero_blocks=none,
+                         zero_offsets=none)
+    cfg = ChunkedKVConfig(chunk_size=chunk, window=chunk, pooling="mean")
+    cpu_ext.write_chunks(comp, raw, torch.zeros(1, 1, width, dtype=torch.uint8), writes, cfg, fmt.head_size, fmt=fmt)
+    return comp[:, 0, 0]
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_code_reads_and_stores_as_torch_does(module, cache_dtype):
+    fmt = fp8.PageFormat(cache_dtype, head_size=128, k_scale=0.25, v_scale=3.0)
+    codes = torch.arange(256, dtype=torch.uint8)[None]  # [1, 256]: keys 0..127, values 128..255
+    both = torch.cat([codes, codes.flip(-1)])  # [2, 256]: every code as a key and as a value
+    got = _pool(module, both, 1, fmt)
+    want = fp8.quantise(fp8.dequantise(both, fmt), fmt)  # NaN codes as torch keeps them, infinities saturated
+    torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(want, fmt), rtol=0, atol=0,
+                               equal_nan=True)  # a pooled -0 may come back +0, a NaN's sign may change
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_a_mean_rounds_to_nearest_even_and_saturates(module, cache_dtype):
+    fmt = fp8.PageFormat(cache_dtype, head_size=40, k_scale=0.5, v_scale=0.125)
+    gen = torch.Generator().manual_seed(1)
+    rows = fp8.quantise(torch.randn(400, 96, generator=gen) * 4.0 ** torch.randint(-6, 7, (400, 1), generator=gen),
+                        fmt)  # [200 chunks x 2 rows, 96]: magnitudes from subnormal to saturated
+    got = _pool(module, rows, 2, fmt)
+    read = fp8.dequantise(rows, fmt).view(200, 2, 96)
+    mean = read[:, 0] * 0.5 + read[:, 1] * 0.5  # [200, 96]
+    want = fp8.quantise(mean, fmt)
+    ties = fp8.quantise(mean * (1 + 2 ** -20), fmt) != fp8.quantise(mean * (1 - 2 ** -20), fmt)  # midway between codes
+    assert ties.sum() > 100
+    torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(want, fmt), rtol=0, atol=0)  # -0 == +0
+
+
+@pytest.mark.parametrize("name, cache_dtype", FP8_SCHEDULES)
+@pytest.mark.parametrize("group", [2, 4])
+def test_kernels_equal_the_reference_on_fp8_pages(module, name, cache_dtype, group):
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    assert run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cpp", group=group,
+                        cache_dtype=cache_dtype, tol=1e-4) > 4
+
+
+@pytest.mark.parametrize("options", ["softcap-sinks", "window-sinks"])
+def test_logit_options_splits_and_tiles_on_fp8_pages(module, options):
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    assert run_schedule(cfg, kernel_lengths(cfg, 4), seed=4, impl="cpp", group=4, cache_dtype="fp8", tol=1e-4,
+                        attend_kwargs=dict(num_splits=3, block_m=5), **LOGIT_OPTIONS[options])
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_every_instruction_set_on_fp8_pages(module, isa, cache_dtype):
+    """Each instruction set's byte loads (whole vectors and masked tails: heads of 40 and 24)."""
+    for each in module.supported_isas():
+        isa(each)
+        cfg = ChunkedKVConfig(**CONFIGS["stagger-heads"])
+        run_schedule(cfg, kernel_lengths(cfg, 6), seed=6, impl="cpp", group=3, head_size=40, head_size_v=24,
+                     cache_dtype=cache_dtype, tol=1e-4, attend_kwargs=dict(block_m=5))
+
+
+def test_the_kernels_read_the_fp8_pages(module, monkeypatch):
+    monkeypatch.setattr(compressed, "attend", lambda *a, **k: pytest.fail("the PyTorch attention ran"))
+    assert "cpp" in dispatch.FP8_READERS
+    writes, attends = module.calls()
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    steps = run_schedule(cfg, [63, 100], seed=2, impl="cpp", group=2, cache_dtype="fp8", tol=1e-4)
+    after = module.calls()
+    assert after[1] - attends >= steps and after[0] - writes >= 1
+
+
+def test_fp32_step_rows_over_fp8_pages_are_refused(module):
+    fmt = fp8.PageFormat("fp8", head_size=8)
+    long = dict(dtype=torch.long)
+    none = torch.zeros(0, **long)
+    one = torch.zeros(1, 1, **long)
+    writes = ChunkWrites(heads=torch.zeros(1, **long), src_blocks=one, src_offsets=one, src_step=one,
+                         dst_blocks=one, dst_offsets=one, zero_heads=none, zero_blocks=none, zero_offsets=none)
+    pages = torch.zeros(2, 1, 4, 16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="step_rows must be the step's stored bytes"):
+        module.write_chunks(pages, pages, torch.zeros(1, 1, 16), torch.ones(1), writes.heads, writes.src_blocks,
+                            writes.src_offsets, writes.src_step, writes.dst_blocks, writes.dst_offsets, none, none,
+                            none, 8, 0, 1, False, fmt.cache_dtype, 1.0, 1.0)
