@@ -121,10 +121,11 @@ def served_dtype(dtype: str | None) -> str:
 
 
 def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path, dtype: str | None = None,
-            context: int | None = None) -> dict:
+            context: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     settings = None if default_backend else read_serve_settings(model)
     started = time.monotonic()
-    summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype, context=context)
+    summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype, context=context,
+                                   kv_cache_dtype=kv_cache_dtype)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     needle = summary["results"]["needle"]
     correct = sum(r["correct"] for r in records)
@@ -132,7 +133,8 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
     misses = [r for r in records if not r["correct"]]
     hits = hits_by_needle(records, lines)
     return {
-        "model": str(model), "served": settings or "default backend", "dtype": served_dtype(dtype), "window": window,
+        "model": str(model), "served": settings or "default backend", "dtype": served_dtype(dtype),
+        "kv_cache_dtype": kv_cache_dtype, "window": window,
         "context": context,
         "server_window": needle["window"]["window"] if needle["window"]["source"] == "server" else None,
         "probes": len(records), "correct": correct, "accuracy": correct / len(records),
@@ -164,9 +166,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="serving dtype (default: real_model.SERVE_DEFAULTS's bfloat16; float32 on a CPU without native bf16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (fp8: FP8 pages)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="adapt-scan-"))
-    result = measure(args.model, args.window, args.per_phase, args.default_backend, out, args.dtype, args.context)
+    result = measure(args.model, args.window, args.per_phase, args.default_backend, out, args.dtype, args.context,
+                     args.kv_cache_dtype)
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

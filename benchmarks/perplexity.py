@@ -14,6 +14,8 @@ window"): every such query attends to compressed rows, so that column is
 where compression acts. Ratios are a mode's perplexity over the default
 backend's.
 
+`--kv-cache-dtype fp8` stores every mode's KV cache in FP8 pages.
+
 Each mode runs in a fresh in-process engine in its own interpreter
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, no prefix caching).
 
@@ -242,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--max-tokens-per-doc", type=int, default=2048, help="text tokens per document")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's --kv-cache-dtype for every mode (fp8, fp8_e4m3, fp8_e5m2: FP8 pages)")
     parser.add_argument("--threads", type=int, default=0, help="OMP threads per engine (0: vLLM's choice)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -255,8 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for mode in modes:
-        row = {"mode": mode, **perplexity(args.model, settings[mode], documents=documents, dtype=args.dtype,
-                                          beyond=beyond, threads=args.threads or None, window=args.window)}
+        row = {"mode": mode, "kv_cache_dtype": args.kv_cache_dtype,
+               **perplexity(args.model, settings[mode], documents=documents, dtype=args.dtype, beyond=beyond,
+                            threads=args.threads or None, window=args.window,
+                            engine={"kv_cache_dtype": args.kv_cache_dtype})}
         rows.append(row)
         print(f"{mode}: ppl {row['ppl']:.3f}, beyond window {row['ppl_beyond']:.3f} ({row['seconds']:.0f} s)",
               file=sys.stderr, flush=True)
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         for r in rows:
             r["ppl_ratio"] = r["ppl"] / reference["ppl"]
             r["ppl_beyond_ratio"] = r["ppl_beyond"] / reference["ppl_beyond"]
-    print(f"model={args.model} dtype={args.dtype} documents={len(documents)}x{args.max_tokens_per_doc} tokens "
+    print(f"model={args.model} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} documents={len(documents)}x{args.max_tokens_per_doc} tokens "
           f"chunked_kv={json.dumps(base)} beyond: query position >= {beyond} python={platform.python_version()}")
     print(format_table(rows))
     report = {"args": {**vars(args), "json": str(args.json) if args.json else None},

@@ -18,6 +18,10 @@ The results name the CPU (model, AMX / AVX-512 flags) and the path vLLM's defaul
 CPU attention takes on it for the model's head size (`amx` or `vec`), since the
 default's speed, and so every ratio, depends on it.
 
+`--kv-cache-dtypes auto,fp8` serves each row four times: both backends with pages in
+the model's dtype and in FP8, and adds each FP8 chunked server's ratios to the chunked
+server on the model's dtype and to the default backend on FP8 pages.
+
 `--scaling` adds, per row, a third run: the default backend with a KV budget that
 does not bind (`--scaling-budget`) and its concurrency capped at what the chunked
 server reached, i.e. what the default backend's own batch scaling allows at that
@@ -120,11 +124,25 @@ def run_row(opts: argparse.Namespace, name: str, row: tuple) -> dict:
     if opts.chunked_kv:
         chunked_args += ["--additional-config", json.dumps({"chunked_kv": json.loads(opts.chunked_kv)})]
     out = {"row": name, "input_len": row[0], "output_len": row[1], "prompts": row[2]}
-    out["default"] = serve_and_load(opts, [], row, f"{name}-default")
-    print(json.dumps({name: {"default": out["default"]}}), flush=True)
-    out["chunked"] = serve_and_load(opts, chunked_args, row, f"{name}-chunked")
-    print(json.dumps({name: {"chunked": out["chunked"]}}), flush=True)
-    out["ratio"] = ratios(out["chunked"], out["default"])
+    caches = [c.strip() for c in opts.kv_cache_dtypes.split(",") if c.strip()]
+    for cache in caches:  # the first cache dtype's pair is the row's default / chunked / ratio
+        pages = [] if cache == "auto" else ["--kv-cache-dtype", cache]
+        tag = "" if cache == "auto" else f"-{cache}"
+        pair = {"default": serve_and_load(opts, pages, row, f"{name}-default{tag}")}
+        print(json.dumps({name: {cache: {"default": pair["default"]}}}), flush=True)
+        pair["chunked"] = serve_and_load(opts, chunked_args + pages, row, f"{name}-chunked{tag}")
+        print(json.dumps({name: {cache: {"chunked": pair["chunked"]}}}), flush=True)
+        pair["ratio"] = ratios(pair["chunked"], pair["default"])
+        if cache == caches[0]:
+            out.update(pair)
+        if len(caches) > 1:
+            out.setdefault("caches", {})[cache] = pair
+    if "caches" in out and "auto" in out["caches"]:  # each FP8 cache against the model dtype's pages
+        for cache, pair in out["caches"].items():
+            if cache != "auto":
+                out[f"{cache}_ratio"] = {
+                    "chunked_over_chunked_auto": ratios(pair["chunked"], out["caches"]["auto"]["chunked"]),
+                    "chunked_over_default": pair["ratio"]}
     if opts.scaling:
         reached = max(1, out["chunked"]["max_running"])
         scaled = (row[0], row[1], row[2], opts.scaling_budget * MiB, reached, reached)
@@ -146,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--chunked-kv", help="chunked_kv settings as JSON (default: the model's serve file, or defaults)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="comma-separated --kv-cache-dtype values, each served by both backends (auto,fp8: the four "
+                   "combinations of default / chunked and model-dtype / FP8 pages)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scaling", action="store_true", help="add the default backend at the chunked concurrency")
     p.add_argument("--scaling-budget", type=int, default=2048, help="MiB of KV for the --scaling run")
@@ -184,10 +205,13 @@ def main(argv=None) -> int:
     print(f"cpu={results['cpu']['model']!r} flags={','.join(results['cpu']['flags'])} "
           f"default isa={results['default_isa']}")
     for r in results["rows"]:
-        d, c = r["default"], r["chunked"]
-        print(f"{r['row']:>18}: running {d['max_running']} -> {c['max_running']}, output tok/s "
-              f"{d['output_throughput']:.1f} -> {c['output_throughput']:.1f} ({r['ratio']['output_tok_s']}x), "
-              f"TTFT p50 {r['ratio']['ttft_p50']}x, TPOT p50 {r['ratio']['tpot_p50']}x")
+        for cache, pair in r.get("caches", {"": r}).items():
+            d, c, ratio = pair["default"], pair["chunked"], pair["ratio"]
+            print(f"{r['row']:>18} {cache:>8}: running {d['max_running']} -> {c['max_running']}, output tok/s "
+                  f"{d['output_throughput']:.1f} -> {c['output_throughput']:.1f} ({ratio['output_tok_s']}x), "
+                  f"TTFT p50 {ratio['ttft_p50']}x, TPOT p50 {ratio['tpot_p50']}x")
+        for key in (k for k in r if k.endswith("_ratio")):
+            print(f"{r['row']:>18} {key}: {json.dumps(r[key])}")
     return 0
 
 

@@ -116,7 +116,8 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
 
 
 def test_long_prompts_go_to_the_scan(bench, adapted_dir, tmp_path, monkeypatch):
-    """`--context N` reaches the scan as `demo --context N` places its needles."""
+    """`--context N` reaches the scan as `demo --context N` places its needles, and
+    `--kv-cache-dtype` as the server's page format."""
     seen = {}
 
     def scan_mode(model, settings, per_phase, out, **kwargs):
@@ -125,5 +126,5 @@ def test_long_prompts_go_to_the_scan(bench, adapted_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(real_model, "scan_mode", scan_mode)
     with pytest.raises(StopIteration):
-        bench.measure(adapted_dir, 128, 4, False, tmp_path / "long", context=4096)
-    assert seen["context"] == 4096 and seen["settings"] == SETTINGS
+        bench.measure(adapted_dir, 128, 4, False, tmp_path / "long", context=4096, kv_cache_dtype="fp8")
+    assert seen["context"] == 4096 and seen["settings"] == SETTINGS and seen["kv_cache_dtype"] == "fp8"

@@ -4,6 +4,9 @@
   running at once, and mean prompt / generation tokens/s over the busy lines
   only (idle lines would dilute them);
 - `ratios` are chunked over default, None where a figure is missing;
+- `--kv-cache-dtypes auto,fp8` serves a row four times (both backends, with
+  and without `--kv-cache-dtype fp8`, the chunked ones with the backend flag)
+  and reports chunked fp8 over chunked auto and over default fp8;
 - end to end on the tiny Llama (two real servers, `vllm bench serve` against
   each): every prompt completes on both, the chunked server ran CHUNKED_KV and
   the default one did not, the KV budget and the command are recorded, and
@@ -33,6 +36,26 @@ def test_ratios_are_chunked_over_default(load_benchmark):
         {"output_throughput": 30.0, "median_ttft_ms": 50.0, "median_tpot_ms": None},
         {"output_throughput": 20.0, "median_ttft_ms": 100.0, "median_tpot_ms": 5.0})
     assert ratios == {"output_tok_s": 1.5, "ttft_p50": 0.5, "tpot_p50": None}
+
+
+def test_four_combinations_of_backend_and_pages(load_benchmark, monkeypatch):
+    bench = load_benchmark("serve_load")
+    served = []
+
+    def serve_and_load(opts, server_args, row, label):
+        served.append((label, server_args))
+        tok_s = 10.0 * (2 if "chunked_kv" in server_args else 1) * (1.5 if "fp8" in server_args else 1)
+        return {"output_throughput": tok_s, "median_ttft_ms": 100.0, "median_tpot_ms": 10.0, "max_running": 4}
+
+    monkeypatch.setattr(bench, "serve_and_load", serve_and_load)
+    opts = bench.parse_args(["--model", "M", "--kv-cache-dtypes", "auto,fp8"])
+    row = bench.run_row(opts, "6000x512", bench.ROWS["6000x512"])
+    assert [label for label, _ in served] == ["6000x512-default", "6000x512-chunked", "6000x512-default-fp8",
+                                              "6000x512-chunked-fp8"]
+    assert served[3][1] == ["--attention-backend", "chunked_kv", "--kv-cache-dtype", "fp8"]
+    assert row["ratio"]["output_tok_s"] == 2.0 and row["caches"]["fp8"]["chunked"]["output_throughput"] == 30.0
+    assert row["fp8_ratio"]["chunked_over_chunked_auto"]["output_tok_s"] == 1.5
+    assert row["fp8_ratio"]["chunked_over_default"]["output_tok_s"] == 2.0
 
 
 @pytest.mark.slow

@@ -81,7 +81,8 @@ def placement(context: int | None) -> tuple[str, int]:
 
 
 def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
-              window: int = CHUNKED["window"], dtype: str | None = None, context: int | None = None) -> dict:
+              window: int = CHUNKED["window"], dtype: str | None = None, context: int | None = None,
+              kv_cache_dtype: str = "auto") -> dict:
     """Serve `model` in `settings` and run the scanner's needle probe against it; its summary.
 
     The needles are placed for `window` (the table's, `CHUNKED`), not for
@@ -91,7 +92,7 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
     A longer `window` pads every prompt so the needles sit further back
     (512: ~750-token prompts, needles 517-730 tokens before the question).
     With `context`, prompts are about that long instead (`placement`) and
-    `window` is ignored.
+    `window` is ignored. `kv_cache_dtype` is vLLM's `--kv-cache-dtype` (fp8: FP8 pages).
     """
     from vllm_chunked_kv.scan import cli as scan_cli
     from vllm_chunked_kv.scan.session import scan
@@ -101,6 +102,7 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
     defaults = serve_defaults(dtype)
     if context is not None:
         defaults[defaults.index("--max-model-len") + 1] = str(context + 256)
+    defaults += ["--kv-cache-dtype", kv_cache_dtype]
     parser = argparse.ArgumentParser()
     scan_cli.add_arguments(parser)
     with VllmServer(model, mode_args(settings), defaults=defaults, timeout=600) as server:
