@@ -27,7 +27,9 @@ size_t attend_shared_bytes(int tile_rows, int head_d, int head_dv);
 
 // Each returns the launch's error (cudaSuccess when nothing was launched).
 // write_chunks: step_dtype x cache_dtype; attend: query_dtype (= step and out
-// dtypes) x cache_dtype; merge_splits: out_dtype.
+// dtypes) x cache_dtype; merge_splits: out_dtype. On FP8 pages the step rows
+// are the step's stored bytes (step_dtype = cache_dtype), and the args' key
+// and value scales apply.
 cudaError_t launch_write_chunks(const WriteArgs& args, cudaStream_t stream);
 cudaError_t launch_attend(const AttendArgs& args, cudaStream_t stream);
 cudaError_t launch_merge_splits(const MergeArgs& args, cudaStream_t stream);

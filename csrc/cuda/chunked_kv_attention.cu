@@ -1,6 +1,8 @@
 // Chunked attention over the compressed layout (docs/design.md §3-4, §10; what
 // ops/kernels/compressed.py `attend` computes, from the same KeySet, without its
-// dense bias). fp32 arithmetic whatever the storage dtypes.
+// dense bias). fp32 arithmetic whatever the storage dtypes. FP8 pages: the step's
+// rows come as their stored bytes too, k_scale is folded into the query scale
+// and v_scale into the output (and the split partials).
 //
 // A block handles a tile of up to tile_q consecutive queries of one key-set
 // row on one KV head: tile_q x group query rows (GQA), kept in shared memory
@@ -114,7 +116,7 @@ __device__ __forceinline__ void key_meta(const AttendArgs& a, const Tile& t, Sou
 }
 
 // Fold keys [lo, hi) of `source` (every num_splits-th block of them) into the tile's softmax.
-template <typename TQ, typename TC>
+template <typename TS, typename TC>
 __device__ __forceinline__ void fold(const AttendArgs& a, const Tile& t, const Shared& sh, Source source, int lo,
                                      int hi) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -132,7 +134,7 @@ __device__ __forceinline__ void fold(const AttendArgs& a, const Tile& t, const S
       if (tag < 0) {  // no row: never visible; zeros keep 0 * value finite
         for (int c = lane; c < width; c += 32) dst[c] = 0.f;
       } else if (source == Source::kOwn) {
-        const TQ* src = static_cast<const TQ*>(a.step_rows) + offset;
+        const TS* src = static_cast<const TS*>(a.step_rows) + offset;
         for (int c = lane; c < width; c += 32) dst[c] = to_float(src[c]);
       } else {
         const TC* src = static_cast<const TC*>(source == Source::kStored ? a.raw_cache : a.comp_cache) + offset;
@@ -195,8 +197,9 @@ __device__ __forceinline__ void fold(const AttendArgs& a, const Tile& t, const S
 }
 
 // grid (num_rows * tiles_per_row, num_kv_heads, num_splits); dynamic shared
-// memory: attend_shared_bytes(tile_q * group, head_d, head_dv).
-template <typename TQ, typename TC>
+// memory: attend_shared_bytes(tile_q * group, head_d, head_dv). TQ: queries
+// and out; TS: step rows (TQ, or on FP8 pages TC); TC: caches.
+template <typename TQ, typename TS, typename TC>
 __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
   const int tid = threadIdx.x;
   const unsigned tiles_per_row = static_cast<unsigned>((a.num_q + a.tile_q - 1) / a.tile_q);  // 32-bit division
@@ -232,9 +235,10 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
   for (int e = tid; e < t.rows * a.head_dv; e += kThreads) sh.acc[e] = 0.f;
   __syncthreads();
   const TQ* query = static_cast<const TQ*>(a.query);
+  const float q_scale = a.scale * a.key_scale;  // FP8 pages: keys are stored elements times key_scale
   for (Walk w(tid, a.head_d); w.e < t.rows * a.head_d; w.next(a.head_d)) {
     const int64_t token = sh.row_token[w.r], q_head = sh.row_head[w.r];
-    sh.q[w.e] = to_float(query[token * a.stride_qt + q_head * a.stride_qh + w.c]) * a.scale;
+    sh.q[w.e] = to_float(query[token * a.stride_qt + q_head * a.stride_qh + w.c]) * q_scale;
   }
   __syncthreads();
 
@@ -256,11 +260,12 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
     const Source source = part == 0 ? Source::kStored : part == 3 ? Source::kSlots : Source::kOwn;
     const int lo = part == 2 ? tail_lo : part == 3 ? slot_lo : 0;
     const int hi = part == 0 ? static_cast<int>(a.num_raw[t.row]) : part == 1 ? pre_hi : part == 2 ? tail_hi : limit;
-    fold<TQ, TC>(a, t, sh, source, lo, hi);
+    fold<TS, TC>(a, t, sh, source, lo, hi);
   }
   __syncthreads();
-  if (a.num_splits == 1) {  // alpha becomes 1 / sum (0 for a row that saw nothing)
-    for (int r = tid; r < t.rows; r += kThreads) sh.alpha[r] = sh.l[r] > 0.f ? reciprocal(sh.l[r]) : 0.f;
+  if (a.num_splits == 1) {  // alpha becomes value_scale / sum (0 for a row that saw nothing)
+    for (int r = tid; r < t.rows; r += kThreads)
+      sh.alpha[r] = sh.l[r] > 0.f ? a.value_scale * reciprocal(sh.l[r]) : 0.f;
     __syncthreads();
   }
 
@@ -271,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const AttendArgs a) {
           from_float<TQ>(sh.acc[w.e] * sh.alpha[w.r]);
     } else {
       const int64_t flat = (t.split * a.num_tokens + token) * a.num_heads + q_head;
-      a.part_acc[flat * a.head_dv + w.c] = sh.acc[w.e];
+      a.part_acc[flat * a.head_dv + w.c] = sh.acc[w.e] * a.value_scale;
       if (w.c == 0) {
         a.part_ml[flat] = sh.m[w.r];
         a.part_ml[a.num_splits * a.num_tokens * a.num_heads + flat] = sh.l[w.r];
@@ -301,21 +306,23 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const MergeArgs 
   static_cast<T*>(a.out)[token * a.stride_ot + q_head * a.stride_oh + d] = from_float<T>(l > 0.f ? acc / l : 0.f);
 }
 
-template <typename TQ, typename TC>
+template <typename TQ, typename TS, typename TC>
 cudaError_t attend_typed(const AttendArgs& a, cudaStream_t stream) {
   const int64_t tiles = static_cast<int64_t>(a.num_rows) * ((a.num_q + a.tile_q - 1) / a.tile_q);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
   const int rows = a.tile_q * (a.num_heads / a.num_kv_heads);
-  return launch(&attend_kernel<TQ, TC>, grid, attend_shared_bytes(rows, a.head_d, a.head_dv), stream, a);
+  return launch(&attend_kernel<TQ, TS, TC>, grid, attend_shared_bytes(rows, a.head_d, a.head_dv), stream, a);
 }
 
 template <typename TQ>
 cudaError_t attend_query_typed(const AttendArgs& a, cudaStream_t stream) {
-  switch (a.cache_dtype) {
-    case DType::kFloat16: return attend_typed<TQ, __half>(a, stream);
-    case DType::kBFloat16: return attend_typed<TQ, __nv_bfloat16>(a, stream);
-    default: return attend_typed<TQ, float>(a, stream);
+  switch (a.cache_dtype) {  // FP8 pages: the step rows are their bytes (the binding checks)
+    case DType::kFloat16: return attend_typed<TQ, TQ, __half>(a, stream);
+    case DType::kBFloat16: return attend_typed<TQ, TQ, __nv_bfloat16>(a, stream);
+    case DType::kFloat8E4m3: return attend_typed<TQ, E4m3, E4m3>(a, stream);
+    case DType::kFloat8E5m2: return attend_typed<TQ, E5m2, E5m2>(a, stream);
+    default: return attend_typed<TQ, TQ, float>(a, stream);
   }
 }
 

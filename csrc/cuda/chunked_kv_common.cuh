@@ -1,6 +1,7 @@
-// What the chunked KV kernels share: storage types, the visibility rule of
-// docs/design.md §3 and §10, shared-memory carving and the launch macro (a real
-// launch, or the CPU emulation of cpu_emulation.h).
+// What the chunked KV kernels share: storage types (the FP8 pages' from
+// chunked_kv_fp8.cuh), the visibility rule of docs/design.md §3 and §10,
+// shared-memory carving and the launch macro (a real launch, or the CPU
+// emulation of cpu_emulation.h).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +9,7 @@
 #include <math.h>
 
 #include "chunked_kv.h"
+#include "chunked_kv_fp8.cuh"
 
 #ifdef CHUNKED_KV_CPU_EMULATION
 #include "cpu_emulation.h"
@@ -21,11 +23,15 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;  // above this a kernel must o
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(E4m3 x) { return e4m3_to_float(x.bits); }
+__device__ __forceinline__ float to_float(E5m2 x) { return e5m2_to_float(x.bits); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ E4m3 from_float<E4m3>(float x) { return E4m3{float_to_e4m3(x)}; }
+template <> __device__ __forceinline__ E5m2 from_float<E5m2>(float x) { return E5m2{float_to_e5m2(x)}; }
 
 // x rounded to the storage type T, as fp32.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }

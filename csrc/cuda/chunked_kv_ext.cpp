@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <string>
 #include <tuple>
 
 #ifndef CHUNKED_KV_CPU_EMULATION
@@ -22,7 +23,16 @@ namespace {
 
 using at::Tensor;
 
+using chunked_kv_types::DType;
 using chunked_kv_binding::to_int;
+
+bool is_fp8(DType t) { return t == DType::kFloat8E4m3 || t == DType::kFloat8E5m2; }
+
+// On FP8 pages the kernels read the step's rows as the pages' bytes.
+void check_fp8_step(DType step, DType cache) {
+  TORCH_CHECK(!is_fp8(cache) || step == cache, "chunked_kv: on FP8 pages step_rows must be the step's stored bytes "
+                                               "(uint8)");
+}
 
 void check_device(const Tensor& t, const Tensor& like, const char* name) {
 #ifdef CHUNKED_KV_CPU_EMULATION
@@ -63,15 +73,17 @@ using DeviceGuard = c10::cuda::CUDAGuard;
 }  // namespace
 
 // Pool the chunks of a step's ChunkWrites into the compressed pages (see
-// compressed.write_chunks); the zero slots are the caller's.
+// compressed.write_chunks); the zero slots are the caller's. fp8: the FP8
+// format of uint8 pages ("" for pages in the model's dtype), with the layer's
+// scales; step_rows are then the step's stored bytes.
 void write_chunks(const Tensor& comp_cache, const Tensor& raw_cache, const Tensor& step_rows, const Tensor& gains,
                   const Tensor& heads, const Tensor& src_blocks, const Tensor& src_offsets, const Tensor& src_step,
                   const Tensor& dst_blocks, const Tensor& dst_offsets, int64_t head_d, int64_t pool_lo,
-                  int64_t pool_hi, bool key_norm) {
-  const chunked_kv::WriteArgs a =
-      chunked_kv_binding::write_args(OnDeviceOf{comp_cache}, comp_cache, raw_cache, step_rows, gains, heads,
-                                     src_blocks, src_offsets, src_step, dst_blocks, dst_offsets, head_d, pool_lo,
-                                     pool_hi, key_norm);
+                  int64_t pool_hi, bool key_norm, const std::string& fp8, double k_scale, double v_scale) {
+  const chunked_kv::WriteArgs a = chunked_kv_binding::write_args(
+      OnDeviceOf{comp_cache}, comp_cache, raw_cache, step_rows, gains, heads, src_blocks, src_offsets, src_step,
+      dst_blocks, dst_offsets, head_d, pool_lo, pool_hi, key_norm, {fp8, k_scale, v_scale});
+  check_fp8_step(a.step_dtype, a.cache_dtype);
   if (a.num_chunks == 0) return;
   const DeviceGuard guard(comp_cache.device());
   check_launch(chunked_kv::launch_write_chunks(a, current_stream(comp_cache)));
@@ -80,20 +92,24 @@ void write_chunks(const Tensor& comp_cache, const Tensor& raw_cache, const Tenso
 // Attention of the queries of one KeySet (see compressed.attend). With
 // num_splits == 1 it writes `out` [n, Hq, Dv] (query dtype); else the fp32
 // partials part_acc [S, n, Hq, Dv] and part_ml [2, S, n, Hq] for merge_splits.
+// fp8 and the scales as for write_chunks: step_rows are then the step's stored
+// bytes, and only the query and out share a dtype.
 void attend(const Tensor& query, const Tensor& step_rows, const Tensor& comp_cache, const Tensor& raw_cache,
             const Tensor& out, const Tensor& part_acc, const Tensor& part_ml, const Tensor& query_index,
             const Tensor& query_positions, const Tensor& raw_blocks, const Tensor& raw_offsets,
             const Tensor& raw_positions, const Tensor& num_raw, const Tensor& comp_blocks, const Tensor& comp_offsets,
             const Tensor& num_slots, const Tensor& origins, double scale, double log_weight, int64_t window,
             int64_t sink_tokens, int64_t chunk_size, int64_t hop, int64_t slots_per_group,
-            int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks, int64_t lookback) {
+            int64_t tile_q, int64_t num_splits, double softcap, const Tensor& sinks, int64_t lookback,
+            const std::string& fp8, double k_scale, double v_scale) {
   const chunked_kv::AttendArgs a = chunked_kv_binding::attend_args(
       OnDeviceOf{query}, query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, query_index,
       query_positions, raw_blocks, raw_offsets, raw_positions, num_raw, comp_blocks, comp_offsets, num_slots,
       /*comp_rows_per_page=*/0, origins, scale, log_weight, window, sink_tokens, chunk_size, hop, slots_per_group,
-      tile_q, num_splits, softcap, sinks, lookback);
-  TORCH_CHECK(a.step_dtype == a.query_dtype && a.out_dtype == a.query_dtype,
-              "chunked_kv: query, step_rows and out must share a dtype");
+      tile_q, num_splits, softcap, sinks, lookback, {fp8, k_scale, v_scale});
+  check_fp8_step(a.step_dtype, a.cache_dtype);
+  TORCH_CHECK((is_fp8(a.cache_dtype) || a.step_dtype == a.query_dtype) && a.out_dtype == a.query_dtype,
+              "chunked_kv: query, out and (unless the pages are FP8) step_rows must share a dtype");
   if (a.num_rows == 0 || a.num_q == 0) return;
   const DeviceGuard guard(query.device());
   int multiprocessors = 0, max_shared = 0;
@@ -127,8 +143,10 @@ std::tuple<int64_t, int64_t> device_limits(int64_t device) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_chunks", &write_chunks, "Pool a step's completed chunks into the compressed pages");
-  m.def("attend", &attend, "Chunked attention of one key set over the compressed layout");
+  m.def("write_chunks", &write_chunks,
+        "Pool a step's completed chunks into the compressed pages (fp8: the FP8 format of uint8 pages, or '')");
+  m.def("attend", &attend,
+        "Chunked attention of one key set over the compressed layout (fp8: the FP8 format of uint8 pages, or '')");
   m.def("merge_splits", &merge_splits, "Merge the split partials of attend");
   m.def("attend_shared_bytes", &attend_shared_bytes, "Shared memory of an attention block");
   m.def("device_limits", &device_limits, "(multiprocessors, opt-in shared memory per block)");

@@ -4,7 +4,10 @@
 // dtype, or the stored raw row), weighs the pooled slots (fixed normalised
 // gains, or the softmax of the keys' L2 norms for key_norm) and stores the
 // pooled row, then, with boundary retention, the chunk's first and last rows.
-// fp32 arithmetic whatever the storage dtypes.
+// fp32 arithmetic whatever the storage dtypes. FP8 pages: the step's rows come
+// as their stored bytes, every row is read as bytes times its scale (keys
+// k_scale, values v_scale) and a stored row is divided by them and rounded
+// once (the boundary rows: their own bytes again).
 #include "chunked_kv_common.cuh"
 
 namespace chunked_kv {
@@ -16,9 +19,19 @@ struct ChunkRows {  // the rows of one chunk, by slot
   const TC* raw;
   const int64_t* offset;  // [chunk_size] element offset of each row in `step` or `raw`
   const int* own;         // [chunk_size] whether the row is the step's own
+  int head_d;
+  float key_scale, value_scale;  // FP8 pages: a stored element times its scale is its value; 1 otherwise
 
-  __device__ float at(int slot, int col) const {
-    return own[slot] ? round_to<TC>(to_float(step[offset[slot] + col])) : to_float(raw[offset[slot] + col]);
+  __device__ float scale(int col) const { return col < head_d ? key_scale : value_scale; }
+  __device__ float at(int slot, int col) const {  // FP8: TS is TC, the step's stored bytes (round_to keeps them)
+    const float x = own[slot] ? round_to<TC>(to_float(step[offset[slot] + col])) : to_float(raw[offset[slot] + col]);
+    if constexpr (IsFp8<TC>::value) return x * scale(col);
+    return x;
+  }
+  // Value x of column `col` as stored (on FP8 pages divided by its scale: a row read by `at` gets its bytes back).
+  __device__ TC store(float x, int col) const {
+    if constexpr (IsFp8<TC>::value) return from_float<TC>(x / scale(col));
+    return from_float<TC>(x);
   }
 };
 
@@ -42,7 +55,8 @@ __global__ void __launch_bounds__(kThreads) write_chunks_kernel(const WriteArgs 
                            : a.src_blocks[src] * a.stride_rb + head * a.stride_rh + a.src_offsets[src] * a.stride_rs;
   }
   __syncthreads();
-  const ChunkRows<TS, TC> rows{static_cast<const TS*>(a.step_rows), static_cast<const TC*>(a.raw_cache), offset, own};
+  const ChunkRows<TS, TC> rows{static_cast<const TS*>(a.step_rows), static_cast<const TC*>(a.raw_cache), offset, own,
+                               a.head_d, a.key_scale, a.value_scale};
 
   // Pooling weight of each slot (0 outside the pooled slots).
   for (int s = tid; s < cs; s += kThreads) {
@@ -77,14 +91,14 @@ __global__ void __launch_bounds__(kThreads) write_chunks_kernel(const WriteArgs 
   for (int col = tid; col < width; col += kThreads) {
     float sum = 0.f;
     for (int s = a.pool_lo; s < a.pool_hi; ++s) sum += weight[s] * rows.at(s, col);
-    pooled_row[col] = from_float<TC>(sum);
+    pooled_row[col] = rows.store(sum, col);
   }
   if (a.slots_per_group == kBoundarySlots) {  // boundary retention: the first and last raw rows follow
     TC* first_row = slot_row(kFirst);
     TC* last_row = slot_row(kLast);
     for (int col = tid; col < width; col += kThreads) {
-      first_row[col] = from_float<TC>(rows.at(0, col));
-      last_row[col] = from_float<TC>(rows.at(cs - 1, col));
+      first_row[col] = rows.store(rows.at(0, col), col);
+      last_row[col] = rows.store(rows.at(cs - 1, col), col);
     }
   }
 }
@@ -113,7 +127,9 @@ cudaError_t write_step_typed(const WriteArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_write_chunks(const WriteArgs& args, cudaStream_t stream) {
   if (args.num_chunks == 0) return cudaSuccess;
-  switch (args.step_dtype) {
+  switch (args.step_dtype) {  // FP8 pages: the step rows are their bytes (the binding checks)
+    case DType::kFloat8E4m3: return write_typed<E4m3, E4m3>(args, stream);
+    case DType::kFloat8E5m2: return write_typed<E5m2, E5m2>(args, stream);
     case DType::kFloat16: return write_step_typed<__half>(args, stream);
     case DType::kBFloat16: return write_step_typed<__nv_bfloat16>(args, stream);
     default: return write_step_typed<float>(args, stream);

@@ -332,7 +332,7 @@ def test_emulated_binding_rejects_strided_rows(emulated):
     index = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         emulated.write_chunks(cache, cache, step, torch.zeros(4), index[0, :1], index, index, index,
-                              index[:, :1], index[:, :1], 4, 0, 4, False)
+                              index[:, :1], index[:, :1], 4, 0, 4, False, "", 1.0, 1.0)
 
 
 def test_unsupported_reports_shared_memory_beyond_the_device(emulated, monkeypatch):

@@ -11,7 +11,9 @@ the rest of the process.
 `compressed.write_chunks` / `compressed.attend` (and of the Triton kernels,
 whose visibility rule they share): fp32 math; caches ``[num_blocks, Hkv,
 rows_per_block, D + Dv]`` with contiguous rows and any block/head/row
-strides; step rows ``[n, Hkv, D + Dv]``; the plan's int64 index tensors. The
+strides, in the model's dtype or FP8 pages (uint8 bytes, `ops/fp8.py`: read
+as bytes times the layer's scales, pooled rows rounded once); step rows
+``[n, Hkv, D + Dv]``; the plan's int64 index tensors. The
 plan needs no bias (`build_plan(..., bias=False)`). The zero slots of a
 step's writes are a torch index assignment here.
 
@@ -28,7 +30,9 @@ kernels):
 - positions, slot indices and the window are below ``2**31``;
 - query, step rows and ``out`` share a dtype in the kernels, the two caches
   another (fp32, fp16 or bf16); other combinations are converted here
-  (exactly: to fp32, or through a temporary ``out``).
+  (exactly: to fp32, or through a temporary ``out``). On FP8 pages the step
+  rows are the step's stored bytes (`attend` quantises the rows it is given
+  back to them, exactly) and the query and ``out`` any float dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from types import ModuleType
 import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import fp8
+from vllm_chunked_kv.ops.fp8 import PageFormat
 from vllm_chunked_kv.ops.kernels import jit, shared
 from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, KeySet, StepPlan
 
@@ -50,7 +56,8 @@ BUILD_ENV = "CHUNKED_KV_BUILD_CUDA"
 SOURCES_DIR = jit.SOURCES_DIR
 SOURCES = ("cuda/chunked_kv_write.cu", "cuda/chunked_kv_attention.cu", "cuda/chunked_kv_ext.cpp")  # under SOURCES_DIR
 HEADERS = ("cuda/chunked_kv.h", "common/chunked_kv_types.h", "common/chunked_kv_args.h",
-           "common/chunked_kv_binding.h", "cuda/chunked_kv_common.cuh", "cuda/cpu_emulation.h")
+           "common/chunked_kv_binding.h", "cuda/chunked_kv_common.cuh", "cuda/chunked_kv_fp8.cuh",
+           "cuda/cpu_emulation.h")
 MAX_TILE_ROWS = 32  # csrc/cuda/chunked_kv.h kMaxTileRows: query rows of a multi-token tile
 MAX_GROUP, MAX_HEAD_SIZE = 32, 256  # a decode tile within these fits an A100's or H100's shared memory
 
@@ -145,9 +152,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _pages(fmt: PageFormat | None) -> tuple[str, float, float]:
+    """The binding's FP8 arguments: format ("" for pages in the model's dtype), k_scale, v_scale."""
+    return ("", 1.0, 1.0) if fmt is None else (fmt.cache_dtype, float(fmt.k_scale), float(fmt.v_scale))
+
+
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
-                 cfg: ChunkedKVConfig, head_size: int) -> None:
-    """`compressed.write_chunks` in one launch (one block per chunk)."""
+                 cfg: ChunkedKVConfig, head_size: int, fmt: PageFormat | None = None) -> None:
+    """`compressed.write_chunks` in one launch (one block per chunk). FP8
+    pages (`fmt`): step_rows are the step's stored bytes."""
     shared.zero_unused_slots(comp_cache, writes)
     if not writes.heads.numel():
         return
@@ -158,19 +171,22 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     c = torch.Tensor.contiguous
     module.write_chunks(comp_cache, raw_cache, _rows(step_rows), gains, c(writes.heads), c(writes.src_blocks),
                         c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),
-                        head_size, slots.start, slots.stop, key_norm)
+                        head_size, slots.start, slots.stop, key_norm, *_pages(fmt))
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
            block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-           lookback: int = 0) -> torch.Tensor:
+           lookback: int = 0, fmt: PageFormat | None = None) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]`` -> ``[n, Hq, Dv]`` in the query dtype, written into
     ``out`` when given, with the model's logit cap, sink logits ``[Hq]``
     and the layer's own sliding window as there (slots behind it are not read). ``num_splits``: blocks per tile and KV head (None:
     enough to fill the device). ``block_m``: queries per tile of a
-    multi-token request (None: up to 32 query rows, as shared memory allows)."""
+    multi-token request (None: up to 32 query rows, as shared memory allows).
+    FP8 pages (`fmt`): step_rows as read back from them (`fp8.round_trip`),
+    handed to the kernel as bytes again (the stored ones, exactly: a value
+    read back divides by its scale to its byte)."""
     module = _module()
     out, group = shared.attend_output(query, raw_cache, out)
     n, num_heads, head_d = query.shape
@@ -178,7 +194,9 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if n == 0:
         return out
     query, step_rows = _rows(query), _rows(step_rows)
-    if step_rows.dtype != query.dtype:  # one dtype in the kernel: fp32 holds both exactly
+    if fmt is not None:
+        step_rows = fp8.quantise(step_rows, fmt)  # [n, Hkv, D + Dv] uint8, as the pages hold them
+    elif step_rows.dtype != query.dtype:  # one dtype in the kernel: fp32 holds both exactly
         query, step_rows = query.float(), step_rows.float()
     direct = out.dtype == query.dtype and out.stride(-1) == 1
     target = out if direct else query.new_empty(n, num_heads, head_dv)
@@ -194,7 +212,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     sink_logits = query.new_empty(0) if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
     for (_, tile), args in zip(tiles, key_args):
         module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *grid_args,
-                      tile, splits, float(softcap), sink_logits.contiguous(), int(lookback))
+                      tile, splits, float(softcap), sink_logits.contiguous(), int(lookback), *_pages(fmt))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

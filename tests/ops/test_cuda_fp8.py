@@ -1,0 +1,217 @@
+"""Contract of the CUDA kernels on FP8 pages (csrc/cuda/, `cuda_ext` with ``fmt=``).
+
+In the CPU emulation (csrc/cuda/cpu_emulation.h: the kernels' very source
+built with g++, as in test_cuda_ext.py), the kernels behave as the C++ CPU
+kernels do (test_cpu_fp8.py):
+
+- Conversion (csrc/cuda/chunked_kv_fp8.cuh, the one conversion nvcc and the
+  emulation compile): the kernels store a value as torch's cast stores it
+  (rounded to nearest even, saturated at the format's largest, NaN kept),
+  and read every one of the 256 codes of both formats as torch reads it: a
+  chunk of one row pooled with gain 1 gives back its own value; the mean of
+  two rows (where ties to even are common) gives the bytes `fp8.quantise`
+  gives.
+- On the schedule harness (`schedule.run_schedule`, pages of bytes poisoned
+  with a NaN byte, random power-of-two scales), at every step the pages the
+  kernels write equal the PyTorch path's (`schedule._check_fp8_pages`: one
+  code apart at most, where a pooled sum rounds differently) and every
+  output equals the reference read through the same pages, for every
+  setting (`schedule.FP8_SCHEDULES`) with GQA 2 and 4; for the model's logit
+  options (softcap with sinks, a sliding window with sinks) with split
+  contexts and query tiles on both formats; for bf16 and fp16 queries and
+  outputs over FP8 pages.
+- The kernels ran: with PyTorch's attention disabled, the extension's
+  attend ran once per step at least and its write_chunks ran. The binding
+  refuses fp32 step rows over FP8 pages (it takes the stored bytes), in
+  write_chunks and in attend, with one message; pages in the model's dtype
+  take format "" (test_cuda_ext.py).
+
+On a GPU (skipped, with the reason, elsewhere): the same conversions and
+schedules on the device (the kernels compiled by nvcc), GQA 2 and 4, fp32 and
+bf16 queries, and the logit options.
+"""
+
+import collections
+import types
+
+import pytest
+import torch
+
+from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.ops import dispatch, fp8
+from vllm_chunked_kv.ops.kernels import compressed, cuda_ext
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
+
+from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
+# test_cuda_ext.py's fixtures: the emulated extension (built once for this module too), cuda_ext's state reset
+from .test_cuda_ext import NO_GPU, _fresh_state, emulated, emulated_module, emulated_objects  # noqa: F401, F811
+
+torch.set_num_threads(1)  # the reference's small tensors: two threads on a busy 2-core machine wait on each other
+
+
+def _pool(rows: torch.Tensor, chunk: int, fmt: fp8.PageFormat) -> torch.Tensor:
+    """The bytes `cuda_ext.write_chunks` stores for each run of `chunk` stored rows
+    ``[M * chunk, Dk + Dv]`` (uint8) pooled with equal gains: ``[M, Dk + Dv]``."""
+    m, width = rows.shape[0] // chunk, rows.shape[1]
+    raw = rows.view(m, 1, chunk, width).clone()  # [blocks, Hkv, rows, Dk + Dv]
+    comp = torch.full((m, 1, 1, width), 0x55, dtype=torch.uint8, device=rows.device)
+    long = dict(dtype=torch.long, device=rows.device)
+    blocks = torch.arange(m, **long)
+    none = torch.zeros(0, **long)
+    writes = ChunkWrites(heads=torch.zeros(m, **long), src_blocks=blocks[:, None].expand(m, chunk).contiguous(),
+                         src_offsets=torch.arange(chunk, **long).expand(m, chunk).contiguous(),
+                         src_step=torch.full((m, chunk), -1, **long), dst_blocks=blocks[:, None],
+                         dst_offsets=torch.zeros(m, 1, **long), zero_heads=none, zero_blocks=none,
+                         zero_offsets=none)
+    cfg = ChunkedKVConfig(chunk_size=chunk, window=chunk, pooling="mean")
+    step = torch.zeros(1, 1, width, dtype=torch.uint8, device=rows.device)
+    cuda_ext.write_chunks(comp, raw, step, writes, cfg, fmt.head_size, fmt=fmt)
+    return comp[:, 0, 0].cpu()
+
+
+def check_every_code(cache_dtype: str, device: str = "cpu") -> None:
+    fmt = fp8.PageFormat(cache_dtype, head_size=128, k_scale=0.25, v_scale=3.0)
+    codes = torch.arange(256, dtype=torch.uint8)[None]  # [1, 256]: keys 0..127, values 128..255
+    both = torch.cat([codes, codes.flip(-1)])  # [2, 256]: every code as a key and as a value
+    got = _pool(both.to(device), 1, fmt)
+    want = fp8.quantise(fp8.dequantise(both, fmt), fmt)  # NaN codes as torch keeps them, infinities saturated
+    torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(want, fmt), rtol=0, atol=0,
+                               equal_nan=True)  # a pooled -0 may come back +0, a NaN's sign may change
+
+
+def check_mean_rounding(cache_dtype: str, device: str = "cpu") -> None:
+    fmt = fp8.PageFormat(cache_dtype, head_size=40, k_scale=0.5, v_scale=0.125)
+    gen = torch.Generator().manual_seed(1)
+    rows = fp8.quantise(torch.randn(400, 96, generator=gen) * 4.0 ** torch.randint(-6, 7, (400, 1), generator=gen),
+                        fmt)  # [200 chunks x 2 rows, 96]: magnitudes from subnormal to saturated
+    got = _pool(rows.to(device), 2, fmt)
+    read = fp8.dequantise(rows, fmt).view(200, 2, 96)
+    mean = read[:, 0] * 0.5 + read[:, 1] * 0.5  # [200, 96]
+    want = fp8.quantise(mean, fmt)
+    ties = fp8.quantise(mean * (1 + 2 ** -20), fmt) != fp8.quantise(mean * (1 - 2 ** -20), fmt)  # midway between codes
+    assert ties.sum() > 100
+    torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(want, fmt), rtol=0, atol=0)  # -0 == +0
+
+
+def run_fp8_schedule(name: str, cache_dtype: str, group: int, device: str = "cpu", **options) -> int:
+    """One of the FP8_SCHEDULES through the CUDA kernels (fp32 queries unless `options` say)."""
+    cfg = ChunkedKVConfig(**CONFIGS[name])
+    options = {"tol": 1e-4, **options}
+    return run_schedule(cfg, kernel_lengths(cfg, group), seed=group, impl="cuda", device=device, group=group,
+                        cache_dtype=cache_dtype, **options)
+
+
+LOGIT_CASES = [("softcap-sinks", "fp8"), ("window-sinks", "fp8"), ("softcap-sinks", "fp8_e5m2"),
+               ("window-sinks", "fp8_e5m2")]
+QUERY_DTYPES = [(torch.bfloat16, "fp8", 3e-2), (torch.float16, "fp8_e5m2", 1e-2)]
+
+
+def run_logit_case(options: str, cache_dtype: str, device: str = "cpu") -> int:
+    """A logit option with split contexts (the sinks in split 0 only) and query tiles."""
+    return run_fp8_schedule("boundary-gated", cache_dtype, 4, device, attend_kwargs=dict(num_splits=3, block_m=5),
+                            **LOGIT_OPTIONS[options])
+
+
+# -------------------------------------------------------------- CPU emulation
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_emulated_every_code_reads_and_stores_as_torch_does(emulated, cache_dtype):
+    check_every_code(cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_emulated_mean_rounds_to_nearest_even_and_saturates(emulated, cache_dtype):
+    check_mean_rounding(cache_dtype)
+
+
+@pytest.mark.parametrize("name, cache_dtype", FP8_SCHEDULES)
+@pytest.mark.parametrize("group", [2, 4])
+def test_emulated_kernels_equal_the_reference_on_fp8_pages(emulated, name, cache_dtype, group):
+    assert run_fp8_schedule(name, cache_dtype, group) > 4
+
+
+@pytest.mark.parametrize("options, cache_dtype", LOGIT_CASES)
+def test_emulated_logit_options_splits_and_tiles_on_fp8_pages(emulated, options, cache_dtype):
+    assert run_logit_case(options, cache_dtype) > 4
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tol", QUERY_DTYPES)
+def test_emulated_half_queries_over_fp8_pages(emulated, dtype, cache_dtype, tol):
+    """bf16 / fp16 queries and outputs over byte pages: the kernels' query type
+    and their step rows' type (the pages') differ."""
+    assert run_fp8_schedule("stagger-heads", cache_dtype, 2, dtype=dtype, tol=tol,
+                            attend_kwargs=dict(num_splits=2)) > 4
+
+
+class _Counted:
+    """The extension with its write_chunks and attend calls counted."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, collections.Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        if name not in ("write_chunks", "attend"):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_emulated_kernels_read_the_fp8_pages(emulated, monkeypatch):
+    monkeypatch.setattr(compressed, "attend", lambda *a, **k: pytest.fail("the PyTorch attention ran"))
+    assert "cuda" in dispatch.FP8_READERS
+    counted = _Counted(emulated)
+    cuda_ext._state.update(module=counted)
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    steps = run_schedule(cfg, [63, 100], seed=2, impl="cuda", group=2, cache_dtype="fp8", tol=1e-4)
+    assert counted.calls["attend"] >= steps and counted.calls["write_chunks"] >= 1
+
+
+def test_emulated_fp32_step_rows_over_fp8_pages_are_refused(emulated, monkeypatch):
+    one = torch.zeros(1, 1, dtype=torch.long)
+    pages = torch.zeros(2, 1, 4, 16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="step_rows must be the step's stored bytes"):
+        emulated.write_chunks(pages, pages, torch.zeros(1, 1, 16), torch.ones(1), one[0], one, one, one, one, one,
+                              8, 0, 1, False, "fp8", 1.0, 1.0)
+    # attend: the wrapper handing the kernels the fp32 rows instead of their bytes
+    monkeypatch.setattr(cuda_ext, "fp8", types.SimpleNamespace(quantise=lambda rows, fmt: rows))
+    cfg = ChunkedKVConfig(**CONFIGS["none"])
+    with pytest.raises(RuntimeError, match="step_rows must be the step's stored bytes"):
+        run_schedule(cfg, [20], seed=1, impl="cuda", group=2, cache_dtype="fp8", tol=1e-4)
+
+
+# ------------------------------------------------------------------ on a GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+
+
+@gpu
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_gpu_codes_and_rounding_as_torch(cache_dtype):
+    check_every_code(cache_dtype, "cuda")
+    check_mean_rounding(cache_dtype, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("name, cache_dtype", FP8_SCHEDULES)
+@pytest.mark.parametrize("group", [2, 4])
+def test_gpu_kernels_equal_the_reference_on_fp8_pages(name, cache_dtype, group):
+    assert run_fp8_schedule(name, cache_dtype, group, "cuda") > 4
+
+
+@gpu
+@pytest.mark.parametrize("options, cache_dtype", LOGIT_CASES)
+def test_gpu_logit_options_splits_and_tiles_on_fp8_pages(options, cache_dtype):
+    assert run_logit_case(options, cache_dtype, "cuda") > 4
+
+
+@gpu
+@pytest.mark.parametrize("dtype, cache_dtype, tol", QUERY_DTYPES)
+def test_gpu_half_queries_over_fp8_pages(dtype, cache_dtype, tol):
+    assert run_fp8_schedule("stagger-heads", cache_dtype, 2, "cuda", dtype=dtype, tol=tol,
+                            attend_kwargs=dict(num_splits=2)) > 4
