@@ -112,7 +112,8 @@ def compile_for_gpu():
     ahead of time for an NVIDIA target with Triton's bundled ptxas (no GPU
     needed). Catches what the interpreter lets through (non-constexpr
     globals, tl.dot shape rules, type errors). Non-pointer arguments are i32,
-    except the fp32 ``scale``, ``log_weight`` and ``softcap``."""
+    except the fp32 ``scale``, ``log_weight``, ``softcap`` and FP8 pages'
+    ``k_scale`` and ``v_scale``."""
     triton = pytest.importorskip("triton", reason="triton is not installed")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are not compiled")
@@ -124,7 +125,7 @@ def compile_for_gpu():
         num_warps = constants.pop("num_warps", 4)
         signature = {
             name: "constexpr" if name in constants else pointer_types.get(name)
-            or ("fp32" if name in ("scale", "log_weight", "softcap") else "i32")
+            or ("fp32" if name in ("scale", "log_weight", "softcap", "k_scale", "v_scale") else "i32")
             for name in kernel.arg_names
         }
         source = ASTSource(kernel, signature, constants)

@@ -103,14 +103,15 @@ def test_a_pooled_row_is_quantised_once_from_the_stored_rows():
 
 def test_dispatch_takes_an_fp8_reader(monkeypatch):
     assert dispatch.available("torch", "cpu", cache_dtype="fp8") == []
-    for impl in ("cpp", "triton"):
-        if impl not in dispatch.FP8_READERS:
-            assert any("FP8" in reason for reason in dispatch.available(impl, "cpu", cache_dtype="fp8_e5m2"))
+    assert {"torch", "cpp", "triton"} <= set(dispatch.FP8_READERS)
     dispatch.clear_choices()
     monkeypatch.delenv(dispatch.IMPL_ENV, raising=False)
     assert dispatch.choose("cpu", head_size=8, cache_dtype="fp8") in dispatch.FP8_READERS
     assert dispatch.forced_fp8_refusal("fp8") is None
-    for forced in ("cpp", "triton", "cuda+triton"):
+    # kernels that do not read FP8 pages: the CUDA extension's, taken off the list (whether it reads them or not)
+    monkeypatch.setattr(dispatch, "FP8_READERS", tuple(impl for impl in dispatch.FP8_READERS if impl != "cuda"))
+    assert any("FP8" in reason for reason in dispatch.available("cuda", "cpu", cache_dtype="fp8_e5m2"))
+    for forced in ("cpp", "triton", "cuda", "cuda+triton"):
         monkeypatch.setenv(dispatch.IMPL_ENV, forced)
         unable = [impl for impl in forced.split("+") if impl not in dispatch.FP8_READERS]
         refusal = dispatch.forced_fp8_refusal("fp8")

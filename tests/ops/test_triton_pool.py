@@ -68,7 +68,7 @@ def test_write_chunks_compiles_for_a_gpu(compile_for_gpu):
     pointers = {"step_ptr": "*bf16", "raw_ptr": "*bf16", "comp_ptr": "*bf16", "gains_ptr": "*fp32"}
     pointers |= {name: "*i64" for name in ("heads_ptr", "src_blocks_ptr", "src_offsets_ptr", "src_step_ptr",
                                            "dst_blocks_ptr", "dst_offsets_ptr")}
-    constants = dict(HEAD_D=128, D_P2=128, HEAD_DV=128, DV_P2=128, SPG=3, BLOCK_C=16,
+    constants = dict(HEAD_D=128, D_P2=128, HEAD_DV=128, DV_P2=128, SPG=3, BLOCK_C=16, FP8=0,
                      **triton_pool.pooling_constants(cfg))
     compiled = compile_for_gpu(triton_pool._chunked_kv_write_chunks_kernel, pointers, constants)
     assert compiled.asm["cubin"]

@@ -89,7 +89,7 @@ def available(impl: str, device=None, *, head_size: int | None = None, head_size
     return _triton_reasons(device)
 
 
-FP8_READERS = ("torch", "cpp", "cuda")  # the implementations that read and write FP8 pages (ops/fp8.py)
+FP8_READERS = ("torch", "cpp", "triton", "cuda")  # the implementations that read and write FP8 pages (ops/fp8.py)
 
 _EXTENSION_DEVICE = {"cuda": ("cuda", "the CUDA extension needs a CUDA device"),
                      "cpp": ("cpu", "the C++ kernels run on the CPU")}

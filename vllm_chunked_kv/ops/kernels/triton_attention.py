@@ -22,6 +22,12 @@ the same rule `step_plan._bias` writes as a tensor. Long contexts can be
 split across ``NUM_SPLITS`` programs per (tile, head): each takes every
 NUM_SPLITS-th block of every part and writes a partial softmax (max, sum,
 weighted values) that `_combine` merges.
+
+FP8 pages (``FP8``, `triton_fp8`): every key and value row is read as its
+bytes, the step's own rows too (re-quantised from the values read back:
+exact), and the scales are applied outside the loops: k_scale folded into
+the query scale (a logit is ``scale * k_scale * q . k_byte``), v_scale
+multiplying the weighted values (and so the split partials before merging).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import triton
 import triton.language as tl
 
 from vllm_chunked_kv.core import grid
+from vllm_chunked_kv.ops import fp8
+from vllm_chunked_kv.ops.fp8 import PageFormat
+from vllm_chunked_kv.ops.kernels import triton_fp8
 from vllm_chunked_kv.ops.plans.step_plan import KeySet, StepPlan
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -90,24 +99,27 @@ def _chunked_kv_mm(a, b, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _chunked_kv_load_rows(ptr, row_off, ok, COL0: tl.constexpr, WIDTH: tl.constexpr, W_P2: tl.constexpr):
+def _chunked_kv_load_rows(ptr, row_off, ok, COL0: tl.constexpr, WIDTH: tl.constexpr, W_P2: tl.constexpr,
+                          FP8: tl.constexpr):
     """Columns ``[COL0, COL0 + WIDTH)`` of the rows at element offsets
-    ``row_off [N]`` (int64) as fp32 ``[N, W_P2]``, 0 where masked."""
+    ``row_off [N]`` (int64) as fp32 ``[N, W_P2]``, 0 where masked (FP8
+    pages: the bytes' values, unscaled)."""
     col = tl.arange(0, W_P2)
     mask = ok[:, None] & (col < WIDTH)[None, :]
-    return tl.load(ptr + row_off[:, None] + COL0 + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    return triton_fp8.load(ptr, row_off[:, None] + COL0 + col[None, :], mask, FP8)
 
 
 @triton.jit
 def _chunked_kv_online_update(m_i, l_i, acc, q, ptr, row_off, ok, visible, bias, softcap,
                               HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr,
-                              DV_P2: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+                              DV_P2: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+                              FP8: tl.constexpr):
     """Fold a block of ``N`` rows (keys then values at ``row_off``) into the
     running softmax of every query row, logits capped first with
     ``SOFTCAP``. ``m_i`` starts finite, so hidden scores (-inf) give exactly
     0 even before a row has seen anything."""
-    keys = _chunked_kv_load_rows(ptr, row_off, ok, 0, HEAD_D, D_P2)  # [N, D_P2]
-    values = _chunked_kv_load_rows(ptr, row_off, ok, HEAD_D, HEAD_DV, DV_P2)  # [N, DV_P2]
+    keys = _chunked_kv_load_rows(ptr, row_off, ok, 0, HEAD_D, D_P2, FP8)  # [N, D_P2]
+    values = _chunked_kv_load_rows(ptr, row_off, ok, HEAD_D, HEAD_DV, DV_P2, FP8)  # [N, DV_P2]
     logits = _chunked_kv_mm(q, tl.trans(keys), USE_DOT)  # [ROWS, N]
     if SOFTCAP:  # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (e^2y + 1)
         logits = softcap * (1.0 - 2.0 / (tl.exp(2.0 * logits / softcap) + 1.0))
@@ -125,7 +137,8 @@ def _chunked_kv_online_update(m_i, l_i, acc, q, ptr, row_off, ok, visible, bias,
 def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t, raw_from, prefix_end, lookback,
                          split, head64, stride_st, stride_sh, softcap, HEAD_D: tl.constexpr, D_P2: tl.constexpr,
                          HEAD_DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+                         FP8: tl.constexpr):
     """Fold the step's own rows ``lo .. hi - 1`` of a key-set row (own row
     ``i`` is token ``q_index_row[i]`` at position ``p0 + i``)."""
     n = tl.arange(0, BLOCK_N)
@@ -136,7 +149,7 @@ def _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_row, lo, hi, p0, t,
         row_off = own * stride_st + head64 * stride_sh
         visible = _chunked_kv_raw_visible(p0 + idx, ok, t, raw_from, prefix_end, lookback)
         m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, step_ptr, row_off, ok, visible, 0.0, softcap,
-                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
+                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP, FP8)
     return m_i, l_i, acc
 
 
@@ -148,14 +161,15 @@ def _chunked_kv_attention_kernel(
     comp_blocks_ptr, comp_offsets_ptr,  # [b, Nc] contiguous
     num_raw_ptr, num_slots_ptr, origins_ptr,  # [b], [b], [b, Hkv]
     sinks_ptr,  # [Hq] fp32 learned sink logits (read when HAS_SINKS)
-    scale, log_weight, softcap, lookback, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
+    scale, v_scale,  # the query scale (FP8 pages: times k_scale) and the values' scale (1 without FP8 pages)
+    log_weight, softcap, lookback, window, sink_tokens, num_q, max_raw, max_slots, num_tokens, tiles_per_row,
     stride_qt, stride_qh, stride_st, stride_sh, stride_rb, stride_rh, stride_rs,
     stride_cb, stride_ch, stride_cs, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr, HEAD_D: tl.constexpr, D_P2: tl.constexpr, HEAD_DV: tl.constexpr, DV_P2: tl.constexpr,
     CHUNK_SIZE: tl.constexpr, HOP: tl.constexpr, SPG: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
 ):
     work, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = work // tiles_per_row  # row of the key set (a request)
@@ -206,7 +220,7 @@ def _chunked_kv_attention_kernel(
         row_off = block * stride_rb + head64 * stride_rh + offset * stride_rs
         visible = _chunked_kv_raw_visible(j, ok, t, raw_from, prefix_end, lookback)
         m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, raw_ptr, row_off, ok, visible, 0.0, softcap,
-                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
+                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP, FP8)
 
     # 2. the step's own rows: own row i is at position p0 + i; two disjoint
     # index ranges can be visible: the forever-raw prefix and the raw region.
@@ -215,10 +229,10 @@ def _chunked_kv_attention_kernel(
     tail_lo = tl.maximum(raw_lo - p0, 0)
     m_i, l_i, acc = _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_ptr + q_row, 0, pre_hi, p0, t,
                                          raw_from, prefix_end, lookback, split, head64, stride_st, stride_sh, softcap,
-                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP)
+                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP, FP8)
     m_i, l_i, acc = _chunked_kv_own_rows(m_i, l_i, acc, q, step_ptr, q_index_ptr + q_row, tail_lo, tail_hi, p0, t,
                                          raw_from, prefix_end, lookback, split, head64, stride_st, stride_sh, softcap,
-                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP)
+                                         HEAD_D, D_P2, HEAD_DV, DV_P2, BLOCK_N, NUM_SPLITS, USE_DOT, SOFTCAP, FP8)
 
     # 3. compressed slots up to the last group sealed for the tile, from the first chunk whose last token
     # the first query still sees through a sliding window (grid.first_lookback_slot; vLLM frees the pages
@@ -238,8 +252,9 @@ def _chunked_kv_attention_kernel(
         row_off = block * stride_cb + head64 * stride_ch + offset * stride_cs
         bias = tl.where(pooled, log_weight, 0.0)[None, :]  # [1, BLOCK_N]
         m_i, l_i, acc = _chunked_kv_online_update(m_i, l_i, acc, q, comp_ptr, row_off, ok, visible, bias, softcap,
-                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP)
+                                                  HEAD_D, D_P2, HEAD_DV, DV_P2, USE_DOT, SOFTCAP, FP8)
 
+    acc = acc * v_scale  # FP8 pages: the values' scale (1 otherwise)
     dv = tl.arange(0, DV_P2)
     store_ok = row_ok[:, None] & (dv < HEAD_DV)[None, :]
     if NUM_SPLITS == 1:
@@ -273,9 +288,10 @@ def split_bucket(splits: int) -> int:
 
 def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_d: int, head_dv: int,
                      tile_m: int, splits: int, on_gpu: bool = True, softcap: bool = False,
-                     sinks: bool = False) -> dict:
+                     sinks: bool = False, fp8_kind: int = 0) -> dict:
     """The constexpr parameters (and num_warps) of one attention launch
-    (``softcap``, ``sinks``: whether the model caps logits, has sink logits)."""
+    (``softcap``, ``sinks``: whether the model caps logits, has sink logits;
+    ``fp8_kind``: the pages' `triton_fp8.kind`)."""
     cfg = plan.cfg
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
@@ -287,7 +303,7 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
         BLOCK_N=16 if INTERPRETED else 64 if max(head_d, head_dv) <= 128 else 32,  # head 256: fits shared memory
         NUM_SPLITS=splits,
         USE_DOT=rows >= 16 and head_d >= 16 and head_dv >= 16,
-        SOFTCAP=softcap, HAS_SINKS=sinks,
+        SOFTCAP=softcap, HAS_SINKS=sinks, FP8=fp8_kind,
         num_warps=4 if rows <= 32 else 8,
     )
 
@@ -295,7 +311,7 @@ def launch_constants(plan: StepPlan, *, num_heads: int, num_kv_heads: int, head_
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
            block_m: int | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-           lookback: int = 0) -> torch.Tensor:
+           lookback: int = 0, fmt: PageFormat | None = None) -> torch.Tensor:
     """`compressed.attend` (bias not needed): query ``[n, Hq, D]``, step_rows
     ``[n, Hkv, D + Dv]``, caches ``[num_blocks, Hkv, rows, D + Dv]`` (rows
     contiguous) -> ``[n, Hq, Dv]`` in the query dtype (fp32 math), written
@@ -304,7 +320,8 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     layer's own sliding window as there (slots behind it are not read).
     ``num_splits``: programs per tile and head (None: enough to
     fill the device). ``block_m``: queries per tile of a multi-token request
-    (None: 64 query rows per tile)."""
+    (None: 64 query rows per tile). FP8 pages (`fmt`): caches of bytes, step_rows as
+    read back from them (`fp8.round_trip`), handed to the kernel as bytes again (exact)."""
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
     if num_heads % num_kv_heads:
@@ -316,6 +333,12 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         out = query.new_empty(n, num_heads, head_dv)
     if n == 0:
         return out
+    scales = (float(scale), 1.0)  # the kernel's query scale and v_scale
+    if fmt is not None:
+        step_rows = fp8.quantise(step_rows, fmt)  # [n, Hkv, D + Dv] the stored bytes
+        comp_cache = triton_fp8.page_bytes(comp_cache, "comp_cache")  # [num_blocks, Hkv, rows, D + Dv] bytes
+        raw_cache = triton_fp8.page_bytes(raw_cache, "raw_cache")
+        scales = (float(scale) * fmt.k_scale, float(fmt.v_scale))
     device = query.device
     group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
     block_m = block_m or max(1, 64 // group_p2)
@@ -334,18 +357,18 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     for keys, tile_m in tiles:
         consts = launch_constants(plan, num_heads=num_heads, num_kv_heads=num_kv_heads, head_d=head_d,
                                   head_dv=head_dv, tile_m=tile_m, splits=splits, on_gpu=device.type != "cpu",
-                                  softcap=softcap > 0, sinks=sinks is not None)
-        _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys, plan, scale, logits, consts)
+                                  softcap=softcap > 0, sinks=sinks is not None, fp8_kind=triton_fp8.kind(fmt))
+        _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys, plan, scales, logits, consts)
     if splits > 1:
         _combine(part_acc, part_ml, out)
     return out
 
 
 def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, keys: KeySet, plan: StepPlan,
-            scale: float, logits: tuple, consts: dict) -> None:
-    """One kernel launch over the queries of one key set; ``logits``: the
-    model's (softcap, sinks ``[Hq]`` fp32, any tensor when it has none,
-    the layer's sliding window or 0)."""
+            scales: tuple, logits: tuple, consts: dict) -> None:
+    """One kernel launch over the queries of one key set; ``scales``: the
+    query scale and v_scale; ``logits``: the model's (softcap, sinks ``[Hq]``
+    fp32, any tensor when it has none, the layer's sliding window or 0)."""
     softcap, sinks, lookback = logits
     num_rows, num_q = keys.query_index.shape
     tiles_per_row = triton.cdiv(num_q, consts["BLOCK_M"])
@@ -358,7 +381,7 @@ def _launch(query, step_rows, comp_cache, raw_cache, out, part_acc, part_ml, key
         c(keys.raw_blocks), c(keys.raw_offsets), c(keys.raw_positions),
         c(comp_blocks), c(comp_offsets),
         c(keys.num_raw), c(keys.num_slots), keys.origins.to(dtype=torch.int32).contiguous(), sinks,
-        float(scale), cfg.log_weight, softcap, lookback, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
+        *scales, cfg.log_weight, softcap, lookback, cfg.window, cfg.sink_tokens, num_q, keys.raw_blocks.shape[1],
         comp_blocks.shape[1], query.shape[0], tiles_per_row,
         query.stride(0), query.stride(1), step_rows.stride(0), step_rows.stride(1),
         raw_cache.stride(0), raw_cache.stride(1), raw_cache.stride(2),
