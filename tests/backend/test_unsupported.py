@@ -2,7 +2,7 @@
 exit, no traceback, and one `error:` line that says what is unsupported and
 why. Covered: a block size that cannot hold whole chunks, a window smaller
 than a chunk, a model with its own sliding window on every layer, KV connectors, the
-hybrid KV cache manager turned off, a quantised (fp8) KV cache, and
+hybrid KV cache manager turned off, and
 speculative decoding, and settings outside their "chunked_kv" wrapper
 (which would otherwise run the defaults silently); speculative decoding
 again with CHUNKED_KV chosen through `backend_per_kind`, refused with the
@@ -37,9 +37,6 @@ CASES = {
         "KV connectors (--kv-transfer-config) are not supported",
     ),
     "no hybrid manager": (["--disable-hybrid-kv-cache-manager"], "--disable-hybrid-kv-cache-manager is not supported"),
-    "fp8 pages, kernels that cannot read them": (
-        ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: CHUNKED_KV_IMPL=triton names kernels that do not read FP8 pages",
-    ),
     "speculative decoding": (
         ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
         "speculative decoding (--speculative-config) is not supported",
@@ -64,7 +61,6 @@ def sliding_window_model(tiny_qwen, tmp_path_factory):
     return path
 
 
-ENV = {"fp8 pages, kernels that cannot read them": {"CHUNKED_KV_IMPL": "triton"}}  # what a case adds to the environment
 PER_KIND = ["--attention-config", json.dumps({"backend_per_kind": {"full_attention": "CHUNKED_KV"}})]
 PER_KIND_SPECULATIVE = "speculative decoding, CHUNKED_KV per kind"
 
@@ -75,7 +71,7 @@ def failures(tiny_llama, sliding_window_model):
         if case == PER_KIND_SPECULATIVE:
             return run_serve_expecting_failure(tiny_llama, PER_KIND + CASES["speculative decoding"][0])
         model = sliding_window_model if case == "model sliding window" else tiny_llama
-        return run_serve_expecting_failure(model, CHUNKED + CASES[case][0], env=ENV.get(case))
+        return run_serve_expecting_failure(model, CHUNKED + CASES[case][0])
 
     cases = [*CASES, PER_KIND_SPECULATIVE]
     with ThreadPoolExecutor(2) as pool:

@@ -82,3 +82,9 @@ def round_trip_kv(keys: torch.Tensor, values: torch.Tensor, fmt: PageFormat) -> 
     """Keys ``[..., Dk]`` and values ``[..., Dv]`` stored as one row each and read back, fp32."""
     rows = round_trip(torch.cat([keys.float(), values.float()], dim=-1), fmt)  # [..., Dk + Dv]
     return rows[..., : keys.shape[-1]], rows[..., keys.shape[-1]:]
+
+
+def binding_args(fmt: PageFormat | None) -> tuple[str, float, float]:
+    """The C++ and CUDA bindings' page arguments: the format ("" for pages in the
+    model's dtype), k_scale and v_scale (csrc/common/chunked_kv_binding.h `Pages`)."""
+    return ("", 1.0, 1.0) if fmt is None else (fmt.cache_dtype, float(fmt.k_scale), float(fmt.v_scale))

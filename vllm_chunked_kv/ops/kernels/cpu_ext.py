@@ -155,11 +155,6 @@ def write_raw(raw_cache: torch.Tensor, step_rows: torch.Tensor, slots: torch.Ten
     _module().write_raw(raw_cache, _rows(step_rows, raw_cache.dtype), slots.long(), tokens.contiguous())
 
 
-def _pages(fmt: PageFormat | None) -> tuple[str, float, float]:
-    """The binding's FP8 arguments: format ("" for pages in the model's dtype), k_scale, v_scale."""
-    return ("", 1.0, 1.0) if fmt is None else (fmt.cache_dtype, float(fmt.k_scale), float(fmt.v_scale))
-
-
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int, fmt: PageFormat | None = None) -> None:
     """`compressed.write_chunks` in one call: the slots below a head's first
@@ -179,7 +174,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     args = derived(writes, "cpp", tables)
     gains = shared.step_gains(writes, cfg, comp_cache.device)
     _module().write_chunks(comp_cache, raw_cache, _step_rows(step_rows, comp_cache.dtype), gains, *args,
-                           head_size, slots.start, slots.stop, cfg.pooling == "key_norm", *_pages(fmt))
+                           head_size, slots.start, slots.stop, cfg.pooling == "key_norm", *fp8.binding_args(fmt))
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
@@ -217,7 +212,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     sink_logits = NO_SINKS if sinks is None else sinks.to(torch.float32).contiguous()  # [Hq]
     for (_, tile), args in zip(tiles, key_args):
         module.attend(q32, query.dtype == torch.bfloat16, steps, comp_cache, raw_cache, target, part_acc, part_ml,
-                      *args, *grid_args, tile, splits, float(softcap), sink_logits, int(lookback), *_pages(fmt))
+                      *args, *grid_args, tile, splits, float(softcap), sink_logits, int(lookback), *fp8.binding_args(fmt))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:

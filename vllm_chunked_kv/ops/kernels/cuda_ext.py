@@ -152,11 +152,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _pages(fmt: PageFormat | None) -> tuple[str, float, float]:
-    """The binding's FP8 arguments: format ("" for pages in the model's dtype), k_scale, v_scale."""
-    return ("", 1.0, 1.0) if fmt is None else (fmt.cache_dtype, float(fmt.k_scale), float(fmt.v_scale))
-
-
 def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: torch.Tensor, writes: ChunkWrites,
                  cfg: ChunkedKVConfig, head_size: int, fmt: PageFormat | None = None) -> None:
     """`compressed.write_chunks` in one launch (one block per chunk). FP8
@@ -171,7 +166,7 @@ def write_chunks(comp_cache: torch.Tensor, raw_cache: torch.Tensor, step_rows: t
     c = torch.Tensor.contiguous
     module.write_chunks(comp_cache, raw_cache, _rows(step_rows), gains, c(writes.heads), c(writes.src_blocks),
                         c(writes.src_offsets), c(writes.src_step), c(writes.dst_blocks), c(writes.dst_offsets),
-                        head_size, slots.start, slots.stop, key_norm, *_pages(fmt))
+                        head_size, slots.start, slots.stop, key_norm, *fp8.binding_args(fmt))
 
 
 def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tensor, raw_cache: torch.Tensor,
@@ -212,7 +207,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     sink_logits = query.new_empty(0) if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
     for (_, tile), args in zip(tiles, key_args):
         module.attend(query, step_rows, comp_cache, raw_cache, target, part_acc, part_ml, *args, *grid_args,
-                      tile, splits, float(softcap), sink_logits.contiguous(), int(lookback), *_pages(fmt))
+                      tile, splits, float(softcap), sink_logits.contiguous(), int(lookback), *fp8.binding_args(fmt))
     if splits > 1:
         module.merge_splits(part_acc, part_ml, target)
     if target is not out:
