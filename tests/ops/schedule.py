@@ -243,9 +243,8 @@ def run_schedule(cfg: ChunkedKVConfig, lengths: list[int], seed: int, *, impl: s
         ops.write_raw(pager.raw, stored, pager.raw_slots(steps), plan.raw_writes)
         assert not pager.read(pager.raw[0]).isfinite().any(), "a row was written to the null page"
         _write_chunks(ops, pager, stored, plan.writes, cfg, head_size, tol)
-        step_rows = step_rows if fmt is None else fp8.dequantise(stored, fmt)  # what attention reads
         out = query.new_full((query.shape[0], query.shape[1], head_size_v), float("nan"))  # unwritten fails
-        got = ops.attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out, **logit_options, **page,
+        got = ops.attend(query, stored, pager.comp, pager.raw, plan, 0.5, out=out, **logit_options, **page,
                          **(attend_kwargs or {}))
         assert got is out, "attend did not write into out="
         for (r, lo, hi), rows in zip(steps, torch.split(out, [hi - lo for _, lo, hi in steps])):

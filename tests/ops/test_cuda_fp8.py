@@ -178,9 +178,11 @@ def test_emulated_fp32_step_rows_over_fp8_pages_are_refused(emulated, monkeypatc
     with pytest.raises(RuntimeError, match="step_rows must be the step's stored bytes"):
         emulated.write_chunks(pages, pages, torch.zeros(1, 1, 16), torch.ones(1), one[0], one, one, one, one, one,
                               8, 0, 1, False, "fp8", 1.0, 1.0)
-    # attend: the wrapper handing the kernels the fp32 rows instead of their bytes
-    monkeypatch.setattr(cuda_ext, "fp8", types.SimpleNamespace(quantise=lambda rows, fmt: rows,
-                                                         binding_args=fp8.binding_args))
+    # attend: the kernels handed the step's rows in fp32 instead of their bytes
+    cuda_ext._state.update(module=types.SimpleNamespace(
+        **{name: getattr(emulated, name) for name in dir(emulated)
+           if not name.startswith("__") and name != "attend"},
+        attend=lambda query, step_rows, *rest: emulated.attend(query, step_rows.float(), *rest)))
     cfg = ChunkedKVConfig(**CONFIGS["none"])
     with pytest.raises(RuntimeError, match="step_rows must be the step's stored bytes"):
         run_schedule(cfg, [20], seed=1, impl="cuda", group=2, cache_dtype="fp8", tol=1e-4)

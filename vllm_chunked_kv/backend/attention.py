@@ -371,10 +371,9 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         value = value[:n].view(n, self.num_kv_heads, -1)  # [n, Hkv, Dv]
         step_rows = torch.cat([key, value], dim=-1)  # [n, Hkv, D + Dv]
         fmt = self._page_format(layer)
-        stored, read, page = step_rows, step_rows, {}
-        if fmt is not None:  # quantised once, here; attention reads the step's rows as the pages give them back
-            stored = fp8.quantise(step_rows, fmt)  # [n, Hkv, D + Dv] bytes
-            read, page = fp8.dequantise(stored, fmt), {"fmt": fmt}  # [n, Hkv, D + Dv] fp32
+        stored, page = step_rows, {}
+        if fmt is not None:  # quantised once, here: every op reads the step's rows as the pages will hold them
+            stored, page = fp8.quantise(step_rows, fmt), {"fmt": fmt}  # [n, Hkv, D + Dv] bytes
         step = attn_metadata.layers.get(layer.layer_name)
         if step is None:
             raise RuntimeError(f"{BACKEND_NAME}: {layer.layer_name} has no plan for this step: the metadata of its "
@@ -385,7 +384,7 @@ class ChunkedKVImpl(AttentionImpl[ChunkedKVMetadata]):
         out = output[:n].view(n, self.num_heads, -1)  # [n, Hq, Dv]
         if out.dtype != query.dtype:  # e.g. an fp32 output buffer for bf16 activations
             out = None
-        result = ops.attend(query, read, kv_cache, raw_cache, step.plan, self.scale, out=out,
+        result = ops.attend(query, stored, kv_cache, raw_cache, step.plan, self.scale, out=out,
                             softcap=self.logits_soft_cap, sinks=self.sinks, lookback=self.lookback, **page)
         if result is not out:
             output[:n].view_as(result).copy_(result)

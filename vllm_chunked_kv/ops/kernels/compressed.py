@@ -54,8 +54,8 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
            plan: StepPlan, scale: float, *, out: torch.Tensor | None = None, softcap: float = 0.0,
            sinks: torch.Tensor | None = None, lookback: int = 0, fmt: PageFormat | None = None) -> torch.Tensor:
     """Attention of every query token of the step: query ``[n, Hq, D]``,
-    step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V; with FP8 pages, `fmt`, as
-    read back from them: `fp8.round_trip`) -> ``[n, Hq, Dv]`` in the
+    step_rows ``[n, Hkv, Dk + Dv]`` (the step's K/V; with FP8 pages, `fmt`, the
+    bytes stored for them, read back as the pages are) -> ``[n, Hq, Dv]`` in the
     query dtype (fp32 math), written into ``out`` when given. The plan must
     carry its bias (`build_plan(..., bias=True)`). ``softcap`` (0: none) and
     ``sinks`` ``[Hq]`` (None: none) are the model's logit cap and learned
@@ -81,7 +81,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         raw = _read(_gather(raw_cache, keys.raw_blocks, keys.raw_offsets), fmt)  # [b, Hkv, Nr, Dk + Dv]
         padding = torch.arange(raw.shape[2], device=raw.device)[None, :] >= keys.num_raw[:, None]  # [b, Nr]
         raw = raw.masked_fill(padding[:, None, :, None], 0)  # padding rows may hold dropped rows: masked anyway
-        own = step_rows[keys.query_index].transpose(1, 2)  # [b, Hkv, L, Dk + Dv]
+        own = _read(step_rows[keys.query_index].transpose(1, 2), fmt)  # [b, Hkv, L, Dk + Dv]
         slots = _read(_gather(comp_cache, *keys.slot_tables()), fmt)  # [b, Hkv, Nc, Dk + Dv]
         bias = keys.bias
         if lookback:  # the layer's own sliding window, on top of the bias the step's layers share

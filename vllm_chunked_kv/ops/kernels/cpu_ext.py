@@ -188,9 +188,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     read: vLLM may have freed their pages). ``num_splits``: work items per (tile, KV head), each over a
     contiguous share of the keys (None: enough to occupy torch's threads).
     ``block_m``: queries per tile of a multi-token request (None: 128 query
-    rows). FP8 pages (`fmt`): step_rows as read back from them
-    (`fp8.round_trip`), handed to the kernel as bytes again (the stored ones,
-    exactly: a value read back divides by its scale to its byte)."""
+    rows). FP8 pages (`fmt`): step_rows are the step's stored bytes."""
     module = _module()
     out, group = shared.attend_output(query, raw_cache, out)
     n, num_heads, head_dv = out.shape
@@ -207,7 +205,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         part_acc = torch.empty(splits, n, num_heads, head_dv, dtype=torch.float32)
         part_ml = torch.empty(2, splits, n, num_heads, dtype=torch.float32)
     q32 = _rows(query, torch.float32)
-    steps = _step_rows(step_rows, comp_cache.dtype) if fmt is None else fp8.quantise(step_rows, fmt)
+    steps = _step_rows(step_rows, comp_cache.dtype) if fmt is None else _rows(step_rows)
     key_args, grid_args = derived(plan, ("cpp", scale), lambda: shared.kernel_args(plan, scale, page_tables=True))
     sink_logits = NO_SINKS if sinks is None else sinks.to(torch.float32).contiguous()  # [Hq]
     for (_, tile), args in zip(tiles, key_args):

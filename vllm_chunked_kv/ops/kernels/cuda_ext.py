@@ -31,8 +31,8 @@ kernels):
 - query, step rows and ``out`` share a dtype in the kernels, the two caches
   another (fp32, fp16 or bf16); other combinations are converted here
   (exactly: to fp32, or through a temporary ``out``). On FP8 pages the step
-  rows are the step's stored bytes (`attend` quantises the rows it is given
-  back to them, exactly) and the query and ``out`` any float dtype.
+  rows are the step's stored bytes, as the caches', and the query and
+  ``out`` any float dtype.
 """
 
 from __future__ import annotations
@@ -179,9 +179,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     and the layer's own sliding window as there (slots behind it are not read). ``num_splits``: blocks per tile and KV head (None:
     enough to fill the device). ``block_m``: queries per tile of a
     multi-token request (None: up to 32 query rows, as shared memory allows).
-    FP8 pages (`fmt`): step_rows as read back from them (`fp8.round_trip`),
-    handed to the kernel as bytes again (the stored ones, exactly: a value
-    read back divides by its scale to its byte)."""
+    FP8 pages (`fmt`): step_rows are the step's stored bytes."""
     module = _module()
     out, group = shared.attend_output(query, raw_cache, out)
     n, num_heads, head_d = query.shape
@@ -189,9 +187,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     if n == 0:
         return out
     query, step_rows = _rows(query), _rows(step_rows)
-    if fmt is not None:
-        step_rows = fp8.quantise(step_rows, fmt)  # [n, Hkv, D + Dv] uint8, as the pages hold them
-    elif step_rows.dtype != query.dtype:  # one dtype in the kernel: fp32 holds both exactly
+    if fmt is None and step_rows.dtype != query.dtype:  # one dtype in the kernel: fp32 holds both exactly
         query, step_rows = query.float(), step_rows.float()
     direct = out.dtype == query.dtype and out.stride(-1) == 1
     target = out if direct else query.new_empty(n, num_heads, head_dv)

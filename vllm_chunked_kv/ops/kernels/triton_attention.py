@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from vllm_chunked_kv.core import grid
-from vllm_chunked_kv.ops import fp8
 from vllm_chunked_kv.ops.fp8 import PageFormat
 from vllm_chunked_kv.ops.kernels import triton_fp8
 from vllm_chunked_kv.ops.plans.step_plan import KeySet, StepPlan
@@ -320,8 +319,8 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
     layer's own sliding window as there (slots behind it are not read).
     ``num_splits``: programs per tile and head (None: enough to
     fill the device). ``block_m``: queries per tile of a multi-token request
-    (None: 64 query rows per tile). FP8 pages (`fmt`): caches of bytes, step_rows as
-    read back from them (`fp8.round_trip`), handed to the kernel as bytes again (exact)."""
+    (None: 64 query rows per tile). FP8 pages (`fmt`): caches and step_rows of bytes (the
+    step's rows as stored)."""
     n, num_heads, head_d = query.shape
     num_kv_heads, head_dv = raw_cache.shape[1], raw_cache.shape[-1] - head_d
     if num_heads % num_kv_heads:
@@ -335,7 +334,7 @@ def attend(query: torch.Tensor, step_rows: torch.Tensor, comp_cache: torch.Tenso
         return out
     scales = (float(scale), 1.0)  # the kernel's query scale and v_scale
     if fmt is not None:
-        step_rows = fp8.quantise(step_rows, fmt)  # [n, Hkv, D + Dv] the stored bytes
+        step_rows = triton_fp8.page_bytes(step_rows, "step_rows")  # [n, Hkv, D + Dv] the stored bytes
         comp_cache = triton_fp8.page_bytes(comp_cache, "comp_cache")  # [num_blocks, Hkv, rows, D + Dv] bytes
         raw_cache = triton_fp8.page_bytes(raw_cache, "raw_cache")
         scales = (float(scale) * fmt.k_scale, float(fmt.v_scale))
