@@ -26,6 +26,8 @@ each kernel's GFLOP/s: the multiply-adds of the rows it attends (the
 chunked kernel: sinks, sealed slots and the raw region of each query; vLLM
 and SDPA: every earlier position). ``--json`` writes every row with the
 CPU's model and instruction-set flags.
+``--kv-cache-dtype fp8`` stores both kernels' pages in FP8 (the step's rows
+as bytes, as the backend hands them on).
 With ``--cold`` each timed step
 starts after a 64 MB copy, so that its pages come from memory as in a
 model, whose weights pass through the caches between layers.
@@ -47,14 +49,20 @@ import torch.nn.functional as F
 
 from vllm_chunked_kv.core import grid, layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.ops import dispatch
+from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan
 from vllm_chunked_kv.ops.plans.step_plan import NULL_PAGE, PagedBatch, build_plan
 
 
+def stored(rows: torch.Tensor, dtype: torch.dtype, fmt: fp8.PageFormat | None) -> torch.Tensor:
+    """Cache rows as pages hold them: in `dtype`, or FP8 bytes (`fmt`)."""
+    return rows.to(dtype) if fmt is None else fp8.quantise(rows, fmt)
+
+
 def paged_step(cfg: ChunkedKVConfig, context: int, batch: int, q_len: int, *, block_size: int, layers: int,
-               num_kv_heads: int, head_size: int, dtype: torch.dtype):
-    """Caches ``[layers]`` and the `PagedBatch` of one step whose requests end at `context`."""
+               num_kv_heads: int, head_size: int, dtype: torch.dtype, fmt: fp8.PageFormat | None = None):
+    """Caches ``[layers]`` and the `PagedBatch` of one step whose requests end at `context`
+    (FP8 pages of bytes with `fmt`)."""
     per_block = layout.states_per_block(cfg, block_size)  # rows per page, compressed and raw
     comp_pages = -(-context // block_size)
     raw_pages = -(-context // per_block)
@@ -66,8 +74,8 @@ def paged_step(cfg: ChunkedKVConfig, context: int, batch: int, q_len: int, *, bl
     raw_table[:, live] = torch.arange(batch * len(live)).view(batch, len(live)) + 1
     row = 2 * head_size
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(batch * comp_pages + 1, num_kv_heads, per_block, row, generator=gen).to(dtype),
-               torch.randn(batch * len(live) + 1, num_kv_heads, per_block, row, generator=gen).to(dtype))
+    caches = [(stored(torch.randn(batch * comp_pages + 1, num_kv_heads, per_block, row, generator=gen), dtype, fmt),
+               stored(torch.randn(batch * len(live) + 1, num_kv_heads, per_block, row, generator=gen), dtype, fmt))
               for _ in range(layers)]
     starts = [i * q_len for i in range(batch + 1)]
     paged = PagedBatch(query_start=starts, seq_lens=[context] * batch, block_table=block_table,
@@ -76,15 +84,18 @@ def paged_step(cfg: ChunkedKVConfig, context: int, batch: int, q_len: int, *, bl
 
 
 def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype, repeat: int,
-             flush=None) -> dict:
+             flush=None, fmt: fp8.PageFormat | None = None) -> dict:
     """Median seconds of the plan and of one step's write_chunks + attend over
-    all layers (`flush()`, if given, runs before each timed step)."""
+    all layers (`flush()`, if given, runs before each timed step; FP8 pages with `fmt`)."""
     ops = dispatch.ops(impl)
     n = paged.query_start[-1]
     num_kv_heads = caches[0][0].shape[1]
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(n, heads, head_size, generator=gen).to(dtype)
     step_rows = torch.randn(n, num_kv_heads, 2 * head_size, generator=gen).to(dtype)
+    page = {}
+    if fmt is not None:  # the step's rows as the backend hands them on: their stored bytes
+        step_rows, page = fp8.quantise(step_rows, fmt), {"fmt": fmt}
     out = query.new_empty(n, heads, head_size)
     origins = [0] * num_kv_heads
     decode = all(b - a == 1 for a, b in zip(paged.query_start, paged.query_start[1:]))
@@ -108,8 +119,8 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
             flush()
         begin = time.perf_counter()
         for comp, raw in caches:
-            ops.write_chunks(comp, raw, step_rows, plan.writes, cfg, head_size)
-            ops.attend(query, step_rows, comp, raw, plan, head_size ** -0.5, out=out)
+            ops.write_chunks(comp, raw, step_rows, plan.writes, cfg, head_size, **page)
+            ops.attend(query, step_rows, comp, raw, plan, head_size ** -0.5, out=out, **page)
         steps.append(time.perf_counter() - begin)
     keys = plan.key_sets
     rows = sum(int(k.num_raw.sum()) + int(k.num_slots.sum()) + k.query_index.numel() for k in keys)
@@ -119,7 +130,7 @@ def time_ops(impl: str, cfg, caches, paged, *, heads: int, head_size: int, dtype
 
 
 def time_vllm(context: int, batch: int, q_len: int, *, layers: int, heads: int, num_kv_heads: int, head_size: int,
-              dtype, repeat: int, flush=None, block_size: int = 128) -> float | None:
+              dtype, repeat: int, flush=None, block_size: int = 128, kv_cache_dtype: str = "auto") -> float | None:
     """Median seconds of vLLM's own CPU attention (`cpu_attention_with_kv_cache`,
     the kernel of its default CPU backend) over all layers, for the same
     queries over the whole context (pages of `block_size` tokens, none
@@ -131,17 +142,19 @@ def time_vllm(context: int, batch: int, q_len: int, *, layers: int, heads: int, 
         return None
     if not hasattr(vllm_ops, "cpu_attention_with_kv_cache"):
         return None
-    isa = vllm_isa(dtype, head_size, block_size)
+    isa = vllm_isa(dtype, head_size, block_size, kv_cache_dtype)
     pages = -(-context // block_size)
     gen = torch.Generator().manual_seed(2)
-    caches = [torch.randn(batch * pages + 1, num_kv_heads, 2 * block_size, head_size, generator=gen).to(dtype)
+    fmt = fp8.PageFormat(kv_cache_dtype, head_size) if fp8.is_fp8(kv_cache_dtype) else None
+    caches = [stored(torch.randn(batch * pages + 1, num_kv_heads, 2 * block_size, head_size, generator=gen), dtype, fmt)
               for _ in range(layers)]  # [pages, Hkv, K rows then V rows, D]
     block_table = (torch.arange(batch * pages, dtype=torch.int32).view(batch, pages) + 1)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     query_start = torch.arange(batch + 1, dtype=torch.int32) * q_len
     metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
         num_reqs=batch, num_heads=heads, num_kv_heads=num_kv_heads, head_dim=head_size, seq_lens=seq_lens,
-        dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True,
+        kv_cache_dtype=kv_cache_dtype)
     query = torch.randn(batch * q_len, heads, head_size, generator=gen).to(dtype)  # [n, Hq, D]
     out = torch.empty_like(query)
     times = []
@@ -154,18 +167,19 @@ def time_vllm(context: int, batch: int, q_len: int, *, layers: int, heads: int, 
             vllm_ops.cpu_attention_with_kv_cache(
                 query=query, key_cache=keys, value_cache=values, output=out, query_start_loc=query_start,
                 seq_lens=seq_lens, scale=head_size ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-                block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+                block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+                kv_cache_dtype=kv_cache_dtype)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 
-def vllm_isa(dtype, head_size: int, block_size: int = 128) -> str | None:
+def vllm_isa(dtype, head_size: int, block_size: int = 128, kv_cache_dtype: str = "auto") -> str | None:
     """The path vLLM's CPU attention takes for these shapes on this CPU ("amx", "vec", "vec16"), or None."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except ImportError:
         return None
-    return _get_attn_isa(dtype, block_size, head_size)
+    return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
 
 
 def time_sdpa(context: int, batch: int, q_len: int, *, layers: int, heads: int, num_kv_heads: int, head_size: int,
@@ -254,6 +268,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *fp8.FORMATS],
+                        help="pages in the model's dtype (auto) or FP8, for both kernels")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -267,15 +283,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = ChunkedKVConfig(**json.loads(args.chunked_kv))
     dtype = getattr(torch, args.dtype)
-    shape = dict(heads=args.heads, head_size=args.head_size, dtype=dtype, repeat=args.repeat)
+    fmt = fp8.PageFormat(args.kv_cache_dtype, args.head_size) if fp8.is_fp8(args.kv_cache_dtype) else None
+    shape = dict(heads=args.heads, head_size=args.head_size, dtype=dtype, repeat=args.repeat, fmt=fmt)
     if args.cold:
         junk, junk_out = torch.randn(16 << 20), torch.empty(16 << 20)  # 64 MB each, more than most L3 caches
         shape["flush"] = lambda: junk_out.copy_(junk)
     cpu = cpu_description()
-    isa = vllm_isa(dtype, args.head_size)
+    isa = vllm_isa(dtype, args.head_size, kv_cache_dtype=args.kv_cache_dtype)
     print(f"cpu={cpu['model']!r} flags={','.join(cpu['flags'])} vllm isa={isa}")
     print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "
-          f"dtype={args.dtype} threads={args.threads} ops={dispatch.ops('cpp').name} cold={args.cold}")
+          f"dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} threads={args.threads} ops={dispatch.ops('cpp').name} cold={args.cold}")
     print(f"{'step':>14} {'context':>7} {'plan ms':>8} {'py plan':>8} {'torch ms':>9} {'cpp ms':>8} {'speedup':>7} "
           f"{'vllm ms':>8} {'cpp/vllm':>8} {'sdpa ms':>8} {'cpp/sdpa':>8} {'isa':>5} "
           f"{'read GB/s | cpp GF/s':>20} {'stream GB/s | vllm GF/s':>23} {'fraction | sdpa GF/s':>20}")
@@ -287,13 +304,13 @@ def main() -> None:
             if q_len > context:
                 continue
             caches, paged = paged_step(cfg, context, batch, q_len, block_size=args.block_size, layers=args.layers,
-                                       num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=dtype)
+                                       num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=dtype, fmt=fmt)
             torch_t = time_ops("torch", cfg, caches, paged, **shape)
             cpp_t = time_ops("cpp", cfg, caches, paged, **shape)
             del caches
             sizes = dict(layers=args.layers, heads=args.heads, num_kv_heads=args.kv_heads, head_size=args.head_size,
                          dtype=dtype, repeat=args.repeat, flush=shape.get("flush"))
-            vllm_s = time_vllm(context, batch, q_len, **sizes)
+            vllm_s = time_vllm(context, batch, q_len, **sizes, kv_cache_dtype=args.kv_cache_dtype)
             sdpa_s = time_sdpa(context, batch, q_len, **sizes)
             row = {"step": kind, "batch": batch, "q_len": q_len, "context": context, "plan_ms": cpp_t["plan_s"] * 1e3,
                    "python_plan_ms": cpp_t["python_plan_s"] * 1e3, "torch_ms": torch_t["step_s"] * 1e3,
