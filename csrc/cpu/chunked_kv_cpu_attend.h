@@ -188,7 +188,9 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
 #else
   t.dot_bf16 = t.pairs = false;
 #endif
-  t.library = g_library != nullptr && t.packed && a.query_is_bf16 && IsBf16<TC>::value && IsBf16<TS>::value;
+  // bf16 pages, or FP8 pages, whose every value bf16 holds exactly (packed as bf16, scales applied outside)
+  constexpr bool bf16_exact = (IsBf16<TC>::value && IsBf16<TS>::value) || (IsFp8<TC>::value && IsFp8<TS>::value);
+  t.library = g_library != nullptr && t.packed && a.query_is_bf16 && bf16_exact;
   if (t.library) {
     t.dot_bf16 = true;  // the GEMM reads the bf16 queries
     t.pairs = false;

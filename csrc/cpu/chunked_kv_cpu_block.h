@@ -22,8 +22,9 @@
 //    dot product (chunked_kv_cpu_bf16.h), others in fp32 (packed for
 //    multi-token tiles).
 //
-// Multi-token bf16 tiles may take both products through the library GEMM
-// instead (chunked_kv_cpu_library.h); the softmax stays here.
+// Multi-token tiles of bf16 queries over bf16 or FP8 pages may take both
+// products through the library GEMM instead (chunked_kv_cpu_library.h); the
+// softmax stays here.
 //
 // The tile and block types: chunked_kv_cpu_tile.h.
 #pragma once
@@ -136,7 +137,7 @@ static inline void packed_logits(Tile& t, int r0) {  // t.p[r0 .. r0+NR) = q @ k
 
 template <typename T>
 static void block_logits(Tile& t, const Block& b) {
-  if (t.library) return library_logits(t, b);
+  if (t.library) return library_logits<T>(t, b);
   if (t.packed) {
 #if defined(CHUNKED_KV_AVX512_BF16)
     if constexpr (IsBf16<T>::value) {

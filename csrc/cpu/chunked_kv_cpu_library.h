@@ -10,7 +10,10 @@
 //    or VNNI pairs of keys [N / 2][Dv][2].
 //
 // A row no query sees is packed as zeros (its probability is 0, and 0 times
-// stale data could be NaN). Included by chunked_kv_cpu_block.h.
+// stale data could be NaN). FP8 pages are packed as bf16, which holds every
+// E4M3 and E5M2 value exactly (their scales are applied outside the
+// products: k_scale in post_scale, v_scale at the output). Included by
+// chunked_kv_cpu_block.h.
 #pragma once
 
 #include "chunked_kv_cpu_tile.h"
@@ -18,6 +21,14 @@
 namespace chunked_kv_cpu {
 namespace {
 
+// Element d of a stored row as bf16 bits (exact: bf16 rows as they are, FP8 bytes converted).
+template <typename T>
+static inline uint16_t bf16_bits(const T* row, int d) {
+  if constexpr (IsBf16<T>::value) return row[d].bits;
+  else return from_float<Bf16>(to_float(row[d])).bits;
+}
+
+template <typename T>
 static void library_logits(Tile& t, const Block& b) {
   const bool vnni = g_library->vnni;
   const int k_dims = vnni ? round_up(t.head_d, 2) : t.head_d;
@@ -25,13 +36,13 @@ static void library_logits(Tile& t, const Block& b) {
   uint16_t* vp = reinterpret_cast<uint16_t*>(t.vp);      // [kBlockKeys, head_dv] or pairs
   for (int n = 0; n < kBlockKeys; ++n) {
     prefetch_ahead(t, n);
-    const uint16_t* row = n < b.n && b.row[n] ? static_cast<const uint16_t*>(b.row[n]) : nullptr;
+    const T* row = n < b.n && b.row[n] ? static_cast<const T*>(b.row[n]) : nullptr;
     for (int d = 0; d < k_dims; ++d) {
-      const uint16_t x = row && d < t.head_d ? row[d] : 0;
+      const uint16_t x = row && d < t.head_d ? bf16_bits(row, d) : 0;
       kt[vnni ? ((d / 2) * kBlockKeys + n) * 2 + d % 2 : d * kBlockKeys + n] = x;
     }
     for (int d = 0; d < t.head_dv; ++d) {
-      const uint16_t x = row ? row[t.head_d + d] : 0;
+      const uint16_t x = row ? bf16_bits(row, t.head_d + d) : 0;
       vp[vnni ? ((n / 2) * t.head_dv + d) * 2 + n % 2 : n * t.head_dv + d] = x;
     }
   }

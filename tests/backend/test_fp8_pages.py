@@ -17,6 +17,10 @@
   requests in other step splits (a smaller token budget) gives the same tokens
   (pooled rows are quantised once, from the stored rows, whichever step sealed
   them).
+- On FP8 pages, with boundary retention and sinks, a KV budget that forces
+  preemption (vLLM counted one) gives the greedy tokens of a budget that
+  does not, which itself serves round 2 from prefix-cache hits (counted), over
+  256 decodes.
 """
 
 from __future__ import annotations
@@ -83,3 +87,20 @@ def test_pooled_fp8_rows_do_not_depend_on_the_step_split(tiny_llama, cache_dtype
                       _rounds(), max_tokens=8)
     assert [len(tokens) for batch in whole["outputs"] for tokens in batch] == [8, 8, 8, 8]
     assert pieces["outputs"] == whole["outputs"]
+
+
+def test_fp8_pages_under_preemption_and_prefix_hits(tiny_llama):
+    from .test_scheduling_invariance import LONG_TOKENS, PREEMPTING_KV, make_rounds
+
+    settings = {"mitigation": "boundary", "window": 16, "sink_tokens": 5}
+    engine = _chunked(settings, block_size=32, enable_prefix_caching=True, kv_cache_dtype="fp8",
+                      max_num_batched_tokens=32)
+    rounds = make_rounds(seed=3)  # round 2 extends or repeats round 1's prompts
+    roomy = generate(tiny_llama, engine, rounds, max_tokens=LONG_TOKENS)
+    budget = int(PREEMPTING_KV * 4 / ChunkedKVConfig(**settings).tokens_per_state / 2)  # FP8: half the bytes
+    tight = generate(tiny_llama, {**engine, "max_num_batched_tokens": 64, "max_model_len": 768,
+                                  "kv_cache_memory_bytes": budget}, rounds, max_tokens=LONG_TOKENS)
+    assert tight["preemptions"] > 0 and roomy["preemptions"] == 0
+    assert roomy["cached_tokens"][1] > 0  # the tight budget has evicted round 1's pages by round 2
+    assert [len(tokens) for batch in roomy["outputs"] for tokens in batch] == [LONG_TOKENS] * 16
+    assert tight["outputs"] == roomy["outputs"]

@@ -13,6 +13,11 @@
   setting (`schedule.FP8_SCHEDULES`), GQA 2 and 4, the model's logit
   options, split contexts and query tiles, on every instruction set this
   CPU has.
+- Forced onto the library GEMM (oneDNN's batch-reduce GEMM, what runs on
+  matrix units), multi-token tiles of bf16 queries over FP8 pages of both
+  formats take both products there (counted) and equal the reference
+  within bf16 tolerance (the queries and probabilities are bf16; FP8 values
+  are bf16 exactly).
 - The kernels ran: their call counters grow with PyTorch's attention
   disabled. The binding refuses fp32 step rows over FP8 pages (it takes the
   stored bytes) with one message.
@@ -114,6 +119,23 @@ def test_every_instruction_set_on_fp8_pages(module, isa, cache_dtype):
         cfg = ChunkedKVConfig(**CONFIGS["stagger-heads"])
         run_schedule(cfg, kernel_lengths(cfg, 6), seed=6, impl="cpp", group=3, head_size=40, head_size_v=24,
                      cache_dtype=cache_dtype, tol=1e-4, attend_kwargs=dict(block_m=5))
+
+
+@pytest.fixture
+def gemm(module):
+    """Set the path of multi-token tiles' products for one test; `auto` again afterwards."""
+    yield module.set_gemm
+    module.set_gemm("auto")
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_library_products_on_fp8_pages(module, gemm, cache_dtype):
+    gemm("library")
+    before = module.library_tiles()
+    cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
+    assert run_schedule(cfg, kernel_lengths(cfg, 5), seed=5, impl="cpp", group=4, dtype=torch.bfloat16,
+                        cache_dtype=cache_dtype, tol=3e-2, attend_kwargs=dict(block_m=5)) > 4  # 20-row tiles
+    assert module.library_tiles() > before
 
 
 def test_the_kernels_read_the_fp8_pages(module, monkeypatch):
