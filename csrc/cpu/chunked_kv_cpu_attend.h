@@ -182,14 +182,14 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
   for (int m = 0; m < tq.count; ++m) tq.s[m] = seal(a, tq.t_lo + m, tq.origin);
   t.rows = static_cast<int>(tq.count) * group;
   t.packed = t.rows > kPackRows;
+  // bf16 pages, or FP8 pages, whose every value bf16 holds exactly (read as bf16, scales applied outside)
+  constexpr bool bf16_exact = (IsBf16<TC>::value && IsBf16<TS>::value) || (IsFp8<TC>::value && IsFp8<TS>::value);
 #if defined(CHUNKED_KV_AVX512_BF16)
   t.dot_bf16 = a.query_is_bf16;
-  t.pairs = t.dot_bf16 && IsBf16<TC>::value && IsBf16<TS>::value && a.head_dv % 32 == 0;
+  t.pairs = t.dot_bf16 && bf16_exact && a.head_dv % 32 == 0;
 #else
   t.dot_bf16 = t.pairs = false;
 #endif
-  // bf16 pages, or FP8 pages, whose every value bf16 holds exactly (packed as bf16, scales applied outside)
-  constexpr bool bf16_exact = (IsBf16<TC>::value && IsBf16<TS>::value) || (IsFp8<TC>::value && IsFp8<TS>::value);
   t.library = g_library != nullptr && t.packed && a.query_is_bf16 && bf16_exact;
   if (t.library) {
     t.dot_bf16 = true;  // the GEMM reads the bf16 queries

@@ -45,13 +45,13 @@ static inline void key_partials(const Tile& t, int r0, const T* key, vf out[NR])
   vf acc[NR];  // in registers across the loop (out may live in memory)
   for (int i = 0; i < NR; ++i) acc[i] = vzero();
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if constexpr (Bf && IsBf16<T>::value) {
+  if constexpr (Bf && BfExact<T>::value) {
     const int stride = round_up(t.head_d, 32);
     const uint16_t* q = t.q_bf16 + r0 * stride;
     for (int d = 0; d < t.head_d; d += 32) {
       const int left = t.head_d - d;
       const __mmask32 mask = left >= 32 ? ~0u : (1u << left) - 1u;
-      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d);
+      const __m512bh k = (__m512bh)bf16_lanes(key + d, mask);
       for (int i = 0; i < NR; ++i)
         acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(q + i * stride + d), k);
     }
@@ -140,8 +140,8 @@ static void block_logits(Tile& t, const Block& b) {
   if (t.library) return library_logits<T>(t, b);
   if (t.packed) {
 #if defined(CHUNKED_KV_AVX512_BF16)
-    if constexpr (IsBf16<T>::value) {
-      if (t.dot_bf16) return packed_block_bf16(t, b);
+    if constexpr (BfExact<T>::value) {
+      if (t.dot_bf16) return packed_block_bf16<T>(t, b);
     }
 #endif
     for (int n = 0; n < kBlockKeys; ++n) {
@@ -154,7 +154,7 @@ static void block_logits(Tile& t, const Block& b) {
     return;
   }
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if (IsBf16<T>::value && t.dot_bf16)
+  if (BfExact<T>::value && t.dot_bf16)
     return row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, true>(t, b, r0); });
 #endif
   row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, false>(t, b, r0); });
@@ -230,9 +230,9 @@ template <typename T>
 static void block_values(Tile& t, const Block& b) {
   if (t.library) return library_values(t);
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if constexpr (IsBf16<T>::value) {
+  if constexpr (BfExact<T>::value) {
     if (t.pairs)
-      return row_blocks(t.rows, [&](auto nr, int r0) { pv_pairs<decltype(nr)::value>(t, b, r0); });
+      return row_blocks(t.rows, [&](auto nr, int r0) { pv_pairs<T, decltype(nr)::value>(t, b, r0); });
   }
 #endif
   const void* ptrs[kBlockKeys];

@@ -78,6 +78,8 @@ static inline void row_blocks(int rows, F&& f) {
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<Bf16> { static constexpr bool value = true; };
+// Storage types whose every value bf16 holds exactly: bf16, and the FP8 formats (their scales apply outside).
+template <typename T> struct BfExact { static constexpr bool value = IsBf16<T>::value || IsFp8<T>::value; };
 
 // Row n's values into the packed block, fp32, zero-padded (zero for a row no
 // query sees: its weight is 0, and 0 x stale data could be NaN).
