@@ -8,8 +8,8 @@ backend and its three global layers on CHUNKED_KV:
   and a README naming every wheel's sha256;
 - in fp32, CHUNKED_KV in two configurations that keep every key exact
   (chunk 1 / window 1, and chunk 4 with a window longer than every prompt)
-  gives the default backend's greedy tokens on all of 24 prompts (16 texts
-  of 20-700 tokens, then 8 that extend or repeat them: prefix-cache hits,
+  gives the default backend's greedy tokens on all of 12 prompts (8 texts
+  of 20-700 tokens, then 4 that extend or repeat them: prefix-cache hits,
   counted by vLLM, under chunked prefill in 256-token pieces); the log says
   the sliding-window layers run on the default backend;
 - at the same KV memory, vLLM's own capacity for 8,192- and 32,768-token requests with
@@ -56,18 +56,19 @@ def chunked(settings: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def rounds(gemma3_dir) -> list[list[list[int]]]:
-    """16 texts of 20-700 tokens from docs/design.md, each after <bos>; then 6
-    of them extended and 2 repeated (prefix-cache hits)."""
+    """8 texts of 20-700 tokens from docs/design.md, each after <bos> (two beyond
+    the 512-token sliding window); then 3 of them extended and 1 repeated
+    (prefix-cache hits)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
     ids = tokenizer(TEXT.read_text()).input_ids[1:]
     rng = random.Random(0)
     first = []
-    for n in [20, 40, 80, 150, 300, 600, 700] + [rng.randint(20, 700) for _ in range(9)]:
+    for n in [20, 80, 300, 600, 700] + [rng.randint(20, 700) for _ in range(3)]:
         start = rng.randrange(0, len(ids) - n)
         first.append([tokenizer.bos_token_id] + ids[start:start + n])
-    second = [p + ids[100:100 + rng.randint(5, 60)] for p in first[:6]] + [first[0], first[3]]
+    second = [p + ids[100:100 + rng.randint(5, 60)] for p in first[1:4]] + [first[4]]
     return [first, second]
 
 
@@ -103,11 +104,11 @@ def test_exact_chunked_configs_match_default(name, runs, rounds):
     default, other = runs["default"], runs[name]
     assert "Using CHUNKED_KV attention backend" in other["log"]
     assert "sliding-window layers keep their window uncompressed on CPUAttentionBackend" in other["log"]
-    assert sum(len(r) for r in rounds) >= 24
+    assert sum(len(r) for r in rounds) >= 12
     assert other["outputs"] == default["outputs"]
     assert other["cached"][0] == [0] * len(rounds[0])
     if name == "chunk 4, window 1024":  # chunk 1 / window 1 keeps no raw page for a hit to find
-        assert sum(n >= BLOCK for n in other["cached"][1]) >= 4
+        assert sum(n >= BLOCK for n in other["cached"][1]) >= 3
 
 
 @pytest.mark.parametrize("length", CAPACITY_LENS)
