@@ -154,7 +154,7 @@ static void block_logits(Tile& t, const Block& b) {
     return;
   }
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if (BfExact<T>::value && t.dot_bf16)
+  if (IsBf16<T>::value && t.dot_bf16)  // FP8 keys of a few-row tile: fp32 products beat a conversion to bf16
     return row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, true>(t, b, r0); });
 #endif
   row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, false>(t, b, r0); });
