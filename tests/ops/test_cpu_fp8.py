@@ -36,69 +36,28 @@ from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.kernels import compressed, cpu_ext
 from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
+from .fp8_checks import check_every_code, check_mean_rounding, pooling_step
 from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
+from .test_cpu_ext import gemm, isa, module  # noqa: F401 (fixtures)
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def module():
-    cpu_ext._reset_for_tests()
-    built = cpu_ext.load()
-    assert built is not None, cpu_ext.unavailable_reasons()
-    return built
-
-
-@pytest.fixture
-def isa(module):
-    """Set an instruction set for one test; the widest again afterwards."""
-    yield module.set_isa
-    module.set_isa(module.supported_isas()[0])
-
-
-def _pool(module, rows: torch.Tensor, chunk: int, fmt: fp8.PageFormat) -> torch.Tensor:
-    """The bytes `cpu_ext.write_chunks` stores for each run of `chunk` stored rows
-    ``[M * chunk, Dk + Dv]`` (uint8) pooled with equal gains: ``[M, Dk + Dv]``."""
-    m, width = rows.shape[0] // chunk, rows.shape[1]
-    raw = rows.view(m, 1, chunk, width).clone()  # [blocks, Hkv, rows, Dk + Dv]
-    comp = torch.full((m, 1, 1, width), 0x55, dtype=torch.uint8)
-    long = dict(dtype=torch.long)
-    blocks = torch.arange(m, **long)
-    none = torch.zeros(0, **long)
-    writes = ChunkWrites(heads=torch.zeros(m, **long), src_blocks=blocks[:, None].expand(m, chunk).contiguous(),
-                         src_offsets=torch.arange(chunk, **long).expand(m, chunk).contiguous(),
-                         src_step=torch.full((m, chunk), -1, **long), dst_blocks=blocks[:, None],
-                         dst_offsets=torch.zeros(m, 1, **long), zero_heads=none, zero_blocks=none,
-                         zero_offsets=none)
-    cfg = ChunkedKVConfig(chunk_size=chunk, window=chunk, pooling="mean")
-    cpu_ext.write_chunks(comp, raw, torch.zeros(1, 1, width, dtype=torch.uint8), writes, cfg, fmt.head_size, fmt=fmt)
+def _pool(rows: torch.Tensor, chunk: int, fmt: fp8.PageFormat) -> torch.Tensor:
+    """What `cpu_ext.write_chunks` stores (`fp8_checks.Pool`)."""
+    raw, comp, step_rows, writes, cfg = pooling_step(rows, chunk)
+    cpu_ext.write_chunks(comp, raw, step_rows, writes, cfg, fmt.head_size, fmt=fmt)
     return comp[:, 0, 0]
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_every_code_reads_and_stores_as_torch_does(module, cache_dtype):
-    fmt = fp8.PageFormat(cache_dtype, head_size=128, k_scale=0.25, v_scale=3.0)
-    codes = torch.arange(256, dtype=torch.uint8)[None]  # [1, 256]: keys 0..127, values 128..255
-    both = torch.cat([codes, codes.flip(-1)])  # [2, 256]: every code as a key and as a value
-    got = _pool(module, both, 1, fmt)
-    want = fp8.quantise(fp8.dequantise(both, fmt), fmt)  # NaN codes as torch keeps them, infinities saturated
-    torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(want, fmt), rtol=0, atol=0,
-                               equal_nan=True)  # a pooled -0 may come back +0, a NaN's sign may change
+    check_every_code(_pool, cache_dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_a_mean_rounds_to_nearest_even_and_saturates(module, cache_dtype):
-    fmt = fp8.PageFormat(cache_dtype, head_size=40, k_scale=0.5, v_scale=0.125)
-    gen = torch.Generator().manual_seed(1)
-    rows = fp8.quantise(torch.randn(400, 96, generator=gen) * 4.0 ** torch.randint(-6, 7, (400, 1), generator=gen),
-                        fmt)  # [200 chunks x 2 rows, 96]: magnitudes from subnormal to saturated
-    got = _pool(module, rows, 2, fmt)
-    read = fp8.dequantise(rows, fmt).view(200, 2, 96)
-    mean = read[:, 0] * 0.5 + read[:, 1] * 0.5  # [200, 96]
-    want = fp8.quantise(mean, fmt)
-    ties = fp8.quantise(mean * (1 + 2 ** -20), fmt) != fp8.quantise(mean * (1 - 2 ** -20), fmt)  # midway between codes
-    assert ties.sum() > 100
-    torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(want, fmt), rtol=0, atol=0)  # -0 == +0
+    check_mean_rounding(_pool, cache_dtype)
 
 
 @pytest.mark.parametrize("name, cache_dtype", FP8_SCHEDULES)
@@ -135,13 +94,6 @@ def test_bf16_queries_over_fp8_pages(module, cache_dtype, head_size):
                         head_size_v=head_size, dtype=torch.bfloat16, cache_dtype=cache_dtype, tol=3e-2,
                         attend_kwargs=dict(block_m=5)) > 4
     assert module.pair_value_tiles() == before
-
-
-@pytest.fixture
-def gemm(module):
-    """Set the path of multi-token tiles' products for one test; `auto` again afterwards."""
-    yield module.set_gemm
-    module.set_gemm("auto")
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
