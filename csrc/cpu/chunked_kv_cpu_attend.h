@@ -186,7 +186,6 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
   constexpr bool bf16_exact = (IsBf16<TC>::value && IsBf16<TS>::value) || (IsFp8<TC>::value && IsFp8<TS>::value);
 #if defined(CHUNKED_KV_AVX512_BF16)
   t.dot_bf16 = a.query_is_bf16;
-  // FP8 values convert to bf16 lanes once per row block: worth it in a packed (multi-token) tile only
   // Value pair products on bf16 pages only: FP8 values converted to bf16 lanes per row block cost more than
   // fp32 products of values converted once per block (measured; the keys of packed tiles do pay, bf16.h).
   t.pairs = t.dot_bf16 && IsBf16<TC>::value && IsBf16<TS>::value && a.head_dv % 32 == 0;

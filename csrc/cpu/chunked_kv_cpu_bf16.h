@@ -10,34 +10,29 @@
 namespace chunked_kv_cpu {
 namespace {
 
-// 32 stored elements as bf16 lanes, exactly (the first elements under `mask`, the rest 0):
-// bf16 as stored; FP8 bytes with the exponent rebiased (E4M3 by 120, E5M2 by 112),
-// subnormals (m * 2^-9, m * 2^-16) from a table, NaN (and E5M2's infinities) kept.
-static inline __m512i bf16_lanes(const Bf16* p, __mmask32 mask) { return _mm512_maskz_loadu_epi16(mask, p); }
-
+// 32 FP8 bytes (the first under `mask`, the rest 0) as bf16 lanes, exactly: exponent and
+// mantissa moved into bf16's fields with the exponent rebiased (E4M3 by 120, E5M2 by 112),
+// subnormals (m * 2^-9, m * 2^-16) from a table, NaN (and E5M2's infinities) kept as such.
 alignas(64) static const uint16_t kE4m3Subnormals[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
 alignas(64) static const uint16_t kE5m2Subnormals[32] = {0, 0x3780, 0x3800, 0x3840};
 
-static inline __m512i bf16_lanes(const E4m3* p, __mmask32 mask) {
+template <int Man, int Rebias, int SpecialFrom>  // mantissa bits; exponent rebias; first all-ones-exponent code
+static inline __m512i fp8_bf16_lanes(const void* p, __mmask32 mask, const uint16_t* subnormals) {
   const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
   const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
-  __m512i h = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-  h = _mm512_mask_permutexvar_epi16(h, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
-                                    _mm512_load_si512(kE4m3Subnormals));
-  h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+  __m512i h = _mm512_add_epi16(_mm512_slli_epi16(mag, 7 - Man), _mm512_set1_epi16(Rebias << 7));
+  h = _mm512_mask_permutexvar_epi16(h, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(1 << Man)), mag,
+                                    _mm512_load_si512(subnormals));
+  const __m512i special = _mm512_or_si512(  // infinity, or NaN with the code's mantissa
+      _mm512_set1_epi16(0x7f80), _mm512_slli_epi16(_mm512_and_si512(mag, _mm512_set1_epi16((1 << Man) - 1)), 7 - Man));
+  h = _mm512_mask_mov_epi16(h, _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(SpecialFrom)), special);
   return _mm512_or_si512(h, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
 }
-
+static inline __m512i bf16_lanes(const E4m3* p, __mmask32 mask) {
+  return fp8_bf16_lanes<3, 120, 0x7f>(p, mask, kE4m3Subnormals);
+}
 static inline __m512i bf16_lanes(const E5m2* p, __mmask32 mask) {
-  const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
-  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
-  __m512i h = _mm512_add_epi16(_mm512_slli_epi16(mag, 5), _mm512_set1_epi16(112 << 7));
-  h = _mm512_mask_permutexvar_epi16(h, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(4)), mag,
-                                    _mm512_load_si512(kE5m2Subnormals));
-  const __m512i special = _mm512_or_si512(_mm512_set1_epi16(0x7f80),
-                                          _mm512_slli_epi16(_mm512_and_si512(mag, _mm512_set1_epi16(3)), 5));
-  h = _mm512_mask_mov_epi16(h, _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7c)), special);
-  return _mm512_or_si512(h, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+  return fp8_bf16_lanes<2, 112, 0x7c>(p, mask, kE5m2Subnormals);
 }
 
 // A multi-token tile in bf16: keys packed as bf16 pairs, kt[p][n] = key n's
@@ -104,7 +99,7 @@ static void packed_block_bf16(Tile& t, const Block& b) {
 // product; the sums stay fp32. The interleave leaves each 32 dims of an
 // accumulator row in pair order: [dims 8L + j], then [dims 8L + 4 + j], for
 // 128-bit lanes L and j < 4 (unpair_rows restores the order once per tile).
-template <typename T, int NR, int NC>  // NC chunks of 32 dims from d0
+template <int NR, int NC>  // NC chunks of 32 dims from d0
 static inline void pv_pairs_chunks(Tile& t, const Block& b, int r0, int d0, const uint32_t (*pp)[kBlockKeys / 2]) {
   __m512 acc[NR][2 * NC];
   for (int i = 0; i < NR; ++i)
@@ -117,8 +112,8 @@ static inline void pv_pairs_chunks(Tile& t, const Block& b, int r0, int d0, cons
     __m512bh lo[NC], hi[NC];
     for (int c = 0; c < NC; ++c) {
       const int d = t.head_d + d0 + 32 * c;
-      const __m512i x = ra ? bf16_lanes(static_cast<const T*>(ra) + d, ~0u) : none;
-      const __m512i y = rb ? bf16_lanes(static_cast<const T*>(rb) + d, ~0u) : none;
+      const __m512i x = ra ? _mm512_loadu_si512(static_cast<const Bf16*>(ra) + d) : none;
+      const __m512i y = rb ? _mm512_loadu_si512(static_cast<const Bf16*>(rb) + d) : none;
       lo[c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
       hi[c] = (__m512bh)_mm512_unpackhi_epi16(x, y);
     }
@@ -134,7 +129,7 @@ static inline void pv_pairs_chunks(Tile& t, const Block& b, int r0, int d0, cons
     for (int c = 0; c < 2 * NC; ++c) _mm512_storeu_ps(t.acc + (r0 + i) * t.dvp + d0 + 16 * c, acc[i][c]);
 }
 
-template <typename T, int NR>
+template <int NR>
 static inline void pv_pairs(Tile& t, const Block& b, int r0) {
   static_assert(kBlockKeys == 32, "one bf16 vector of probabilities per row");
   uint32_t pp[NR][kBlockKeys / 2];  // [row][key pair] bf16 probability pairs
@@ -142,8 +137,8 @@ static inline void pv_pairs(Tile& t, const Block& b, int r0) {
     _mm512_storeu_si512(pp[i], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(t.p[r0 + i] + 16),
                                                             _mm512_loadu_ps(t.p[r0 + i])));
   int d = 0;
-  for (; d + 64 <= t.head_dv; d += 64) pv_pairs_chunks<T, NR, 2>(t, b, r0, d, pp);
-  if (d < t.head_dv) pv_pairs_chunks<T, NR, 1>(t, b, r0, d, pp);
+  for (; d + 64 <= t.head_dv; d += 64) pv_pairs_chunks<NR, 2>(t, b, r0, d, pp);
+  if (d < t.head_dv) pv_pairs_chunks<NR, 1>(t, b, r0, d, pp);
 }
 
 // The tile's accumulator rows from pair order back to dim order.

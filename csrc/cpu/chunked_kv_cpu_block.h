@@ -45,13 +45,13 @@ static inline void key_partials(const Tile& t, int r0, const T* key, vf out[NR])
   vf acc[NR];  // in registers across the loop (out may live in memory)
   for (int i = 0; i < NR; ++i) acc[i] = vzero();
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if constexpr (Bf && BfExact<T>::value) {
+  if constexpr (Bf && IsBf16<T>::value) {
     const int stride = round_up(t.head_d, 32);
     const uint16_t* q = t.q_bf16 + r0 * stride;
     for (int d = 0; d < t.head_d; d += 32) {
       const int left = t.head_d - d;
       const __mmask32 mask = left >= 32 ? ~0u : (1u << left) - 1u;
-      const __m512bh k = (__m512bh)bf16_lanes(key + d, mask);
+      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d);
       for (int i = 0; i < NR; ++i)
         acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(q + i * stride + d), k);
     }
@@ -230,9 +230,9 @@ template <typename T>
 static void block_values(Tile& t, const Block& b) {
   if (t.library) return library_values(t);
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if constexpr (BfExact<T>::value) {
+  if constexpr (IsBf16<T>::value) {  // bf16 pages only (attend_item's t.pairs)
     if (t.pairs)
-      return row_blocks(t.rows, [&](auto nr, int r0) { pv_pairs<T, decltype(nr)::value>(t, b, r0); });
+      return row_blocks(t.rows, [&](auto nr, int r0) { pv_pairs<decltype(nr)::value>(t, b, r0); });
   }
 #endif
   const void* ptrs[kBlockKeys];
