@@ -24,10 +24,10 @@ NUM_SPLITS-th block of every part and writes a partial softmax (max, sum,
 weighted values) that `_combine` merges.
 
 FP8 pages (``FP8``, `triton_fp8`): every key and value row is read as its
-bytes, the step's own rows too (re-quantised from the values read back:
-exact), and the scales are applied outside the loops: k_scale folded into
-the query scale (a logit is ``scale * k_scale * q . k_byte``), v_scale
-multiplying the weighted values (and so the split partials before merging).
+bytes, the step's own rows too (`attend` takes their stored bytes), and
+the scales are applied outside the loops: k_scale folded into the query
+scale (a logit is ``scale * k_scale * q . k_byte``), v_scale multiplying
+the weighted values (and so the split partials before merging).
 """
 
 from __future__ import annotations
