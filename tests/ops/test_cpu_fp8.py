@@ -34,7 +34,6 @@ import torch
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.kernels import compressed, cpu_ext
-from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
 from .fp8_checks import check_every_code, check_mean_rounding, pooling_step
 from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
@@ -117,14 +116,8 @@ def test_the_kernels_read_the_fp8_pages(module, monkeypatch):
 
 
 def test_fp32_step_rows_over_fp8_pages_are_refused(module):
-    fmt = fp8.PageFormat("fp8", head_size=8)
-    long = dict(dtype=torch.long)
-    none = torch.zeros(0, **long)
-    one = torch.zeros(1, 1, **long)
-    writes = ChunkWrites(heads=torch.zeros(1, **long), src_blocks=one, src_offsets=one, src_step=one,
-                         dst_blocks=one, dst_offsets=one, zero_heads=none, zero_blocks=none, zero_offsets=none)
-    pages = torch.zeros(2, 1, 4, 16, dtype=torch.uint8)
+    raw, comp, _, w, _ = pooling_step(torch.zeros(1, 16, dtype=torch.uint8), 1)  # one chunk of one row
     with pytest.raises(RuntimeError, match="step_rows must be the step's stored bytes"):
-        module.write_chunks(pages, pages, torch.zeros(1, 1, 16), torch.ones(1), writes.heads, writes.src_blocks,
-                            writes.src_offsets, writes.src_step, writes.dst_blocks, writes.dst_offsets, none, none,
-                            none, 8, 0, 1, False, fmt.cache_dtype, 1.0, 1.0)
+        module.write_chunks(comp, raw, torch.zeros(1, 1, 16), torch.ones(1), w.heads, w.src_blocks, w.src_offsets,
+                            w.src_step, w.dst_blocks, w.dst_offsets, w.zero_heads, w.zero_blocks, w.zero_offsets,
+                            8, 0, 1, False, "fp8", 1.0, 1.0)

@@ -35,7 +35,6 @@ import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import fp8
-from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
 from .fp8_checks import check_every_code, check_mean_rounding, pooling_step
 from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS
@@ -145,15 +144,9 @@ def test_the_kernels_read_the_fp8_pages(triton_ops):
 
 def test_step_rows_that_are_not_bytes_are_refused(triton_ops):
     fmt = fp8.PageFormat("fp8", head_size=8)
-    long = dict(dtype=torch.long)
-    none = torch.zeros(0, **long)
-    one = torch.zeros(1, 1, **long)
-    writes = ChunkWrites(heads=torch.zeros(1, **long), src_blocks=one, src_offsets=one, src_step=one,
-                         dst_blocks=one, dst_offsets=one, zero_heads=none, zero_blocks=none, zero_offsets=none)
-    pages = torch.zeros(2, 1, 4, 16, dtype=torch.uint8)
-    cfg = ChunkedKVConfig(chunk_size=1, window=1)
+    raw, comp, _, writes, cfg = pooling_step(torch.zeros(1, 16, dtype=torch.uint8), 1)  # one chunk of one row
     with pytest.raises(ValueError, match="step_rows must hold FP8 bytes"):
-        triton_ops.pool.write_chunks(pages, pages, torch.zeros(1, 1, 16), writes, cfg, 8, fmt)
+        triton_ops.pool.write_chunks(comp, raw, torch.zeros(1, 1, 16), writes, cfg, 8, fmt)
 
 
 @pytest.mark.slow
