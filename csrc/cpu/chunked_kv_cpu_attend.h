@@ -149,13 +149,21 @@ static void fold_slots(const AttendArgs& a, Tile& t, Block& b, const TileQueries
 }
 
 static void load_queries(const AttendArgs& a, Tile& t, const int64_t* tokens, int head) {
-  const int group = t.group, q_stride = round_up(t.head_d, 32);
+  const int group = t.group, q_stride = t.q_stride;
   const float* query = static_cast<const float*>(a.query);  // fp32 on CPU
   for (int r = 0; r < t.rows; ++r) {
     const float* src = query + tokens[r / group] * a.stride_qt + (int64_t)(head * group + r % group) * a.stride_qh;
     for (int d = 0; d < t.dp; ++d) t.q[r * t.dp + d] = d < t.head_d ? src[d] * a.scale * a.key_scale : 0.f;
-    if (t.dot_bf16)
-      for (int d = 0; d < q_stride; ++d) t.q_bf16[r * q_stride + d] = d < t.head_d ? from_float<Bf16>(src[d]).bits : 0;
+    if (t.dot_bf16) {
+      uint16_t* qb = t.q_bf16 + r * q_stride;
+      for (int d = 0; d < q_stride; ++d) qb[d] = 0;
+#if defined(CHUNKED_KV_AVX512_BF16)
+      if (t.q_lanes) {
+        for (int d = 0; d < t.head_d; ++d) qb[fp8_lane_order(d)] = from_float<Bf16>(src[d]).bits;
+      } else
+#endif
+        for (int d = 0; d < t.head_d; ++d) qb[d] = from_float<Bf16>(src[d]).bits;
+    }
     t.m[r] = kNegBig;
     t.l[r] = 0.f;
     for (int d = 0; d < t.dvp; ++d) t.acc[r * t.dvp + d] = 0.f;
@@ -186,9 +194,7 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
   constexpr bool bf16_exact = (IsBf16<TC>::value && IsBf16<TS>::value) || (IsFp8<TC>::value && IsFp8<TS>::value);
 #if defined(CHUNKED_KV_AVX512_BF16)
   t.dot_bf16 = a.query_is_bf16;
-  // Value pair products on bf16 pages only: FP8 values converted to bf16 lanes per row block cost more than
-  // fp32 products of values converted once per block (measured; the keys of packed tiles do pay, bf16.h).
-  t.pairs = t.dot_bf16 && IsBf16<TC>::value && IsBf16<TS>::value && a.head_dv % 32 == 0;
+  t.pairs = t.dot_bf16 && bf16_exact && a.head_dv % 32 == 0;  // value pair products (bf16.h)
 #else
   t.dot_bf16 = t.pairs = false;
 #endif
@@ -197,6 +203,11 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
     t.dot_bf16 = true;  // the GEMM reads the bf16 queries
     t.pairs = false;
   }
+#if defined(CHUNKED_KV_AVX512_BF16)
+  t.q_lanes = t.dot_bf16 && !t.library && IsFp8<TC>::value;  // FP8 keys read as bf16 lanes (bf16.h)
+#else
+  t.q_lanes = false;
+#endif
   load_queries(a, t, tokens, head);
   if (a.sinks && split == 0)  // a learned sink logit: in the denominator from the start, no value
     for (int r = 0; r < t.rows; ++r) {
@@ -267,14 +278,17 @@ struct TileBuffers {
 
 static TileBuffers make_buffers(const AttendArgs& a) {
   const int rows = kMaxTileRows, dp = round_up(a.head_d, W), dvp = round_up(a.head_dv, W);
-  const size_t q = rows * dp, qb = rows * round_up(a.head_d, 32), acc = rows * dvp, kt = dp * kBlockKeys,
-               vp = kBlockKeys * dvp;
+  // Every part starts on a cache line: vector loads of a row then never straddle two.
+  const size_t tile = round_up(sizeof(Tile), 64), block = round_up(sizeof(Block), 64);
+  const size_t q = rows * dp, qb = rows * round_up(a.head_d, 64), acc = rows * dvp, kt = dp * kBlockKeys,
+               vp = kBlockKeys * dvp;  // q, acc, kt and vp are multiples of 16 floats (64 bytes)
   const size_t pb = rows * kBlockKeys;  // bf16 probabilities (library)
-  const size_t bytes = sizeof(Tile) + sizeof(Block) + 4 * (q + acc + kt + vp) + 2 * (qb + pb) + 256;
-  char* mem = static_cast<char*>(calloc(1, bytes));
+  const size_t bytes = tile + block + 4 * (q + acc + kt + vp) + 2 * (qb + pb) + 256;
+  char* mem = static_cast<char*>(aligned_alloc(64, round_up(static_cast<int>(bytes), 64)));
+  memset(mem, 0, bytes);
   Tile* t = reinterpret_cast<Tile*>(mem);
-  Block* b = reinterpret_cast<Block*>(mem + sizeof(Tile));
-  float* f = reinterpret_cast<float*>(mem + sizeof(Tile) + sizeof(Block));
+  Block* b = reinterpret_cast<Block*>(mem + tile);
+  float* f = reinterpret_cast<float*>(mem + tile + block);
   t->q = f;
   t->acc = t->q + q;
   t->kt = t->acc + acc;
@@ -286,6 +300,7 @@ static TileBuffers make_buffers(const AttendArgs& a) {
   t->head_dv = a.head_dv;
   t->dp = dp;
   t->dvp = dvp;
+  t->q_stride = round_up(a.head_d, 64);
   t->post_scale = a.scale * a.key_scale;
   t->softcap = a.softcap;
   return {t, b, mem};

@@ -1,7 +1,8 @@
 // The AVX-512 BF16 products of the CPU attention kernels (included by
 // chunked_kv_cpu_block.h; empty unless the translation unit defines
 // CHUNKED_KV_AVX512_BF16): bf16 queries, keys, values and probabilities
-// multiplied in pairs by one instruction, the sums kept in fp32.
+// multiplied in pairs by one instruction, the sums kept in fp32; FP8 keys and
+// values converted to bf16 lanes on the way (VBMI byte tables).
 #pragma once
 
 #include "chunked_kv_cpu_tile.h"
@@ -10,29 +11,63 @@
 namespace chunked_kv_cpu {
 namespace {
 
-// 32 FP8 bytes (the first under `mask`, the rest 0) as bf16 lanes, exactly: exponent and
-// mantissa moved into bf16's fields with the exponent rebiased (E4M3 by 120, E5M2 by 112),
-// subnormals (m * 2^-9, m * 2^-16) from a table, NaN (and E5M2's infinities) kept as such.
-alignas(64) static const uint16_t kE4m3Subnormals[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
-alignas(64) static const uint16_t kE5m2Subnormals[32] = {0, 0x3780, 0x3800, 0x3840};
+// FP8 bytes as bf16 lanes, exactly, through byte tables (AVX-512 VBMI): each
+// magnitude code's bf16 bits (E4M3 rebiased by 120, E5M2 by 112, subnormals
+// normalised, NaN and E5M2's infinities kept) split into a high and a low byte,
+// 128 entries each, looked up for 64 codes by one two-table byte permute; the
+// sign bit is the code's own. Interleaving the two bytes yields the lanes in
+// "lane order": of 64 dims, lo holds dims 16L + j and hi dims 16L + 8 + j
+// (128-bit lane L, j < 8). A dot product with a query stored in the same
+// order (fp8_lane_order) is the dot product in dim order: 3 instructions per
+// 32 dims, where bf16 pages load them directly.
+constexpr uint16_t fp8_bf16_bits(int code, int man, int bias) {  // code < 128: sign clear
+  const int e = code >> man, m = code & ((1 << man) - 1);
+  if (man == 3 && code == 0x7f) return 0x7fc0;             // E4M3: NaN (no infinity)
+  if (man == 2 && e == 31) return m ? 0x7fc0 : 0x7f80;     // E5M2: NaN, infinity
+  if (e == 0) {
+    if (m == 0) return 0;
+    int top = man - 1;  // leading bit of the subnormal's mantissa
+    while (!(m >> top)) --top;
+    return static_cast<uint16_t>(((128 - bias - man + top) << 7) | ((m - (1 << top)) << (7 - top)));
+  }
+  return static_cast<uint16_t>(((e - bias + 127) << 7) | (m << (7 - man)));
+}
+struct Fp8Bf16Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+};
+constexpr Fp8Bf16Tables fp8_bf16_tables(int man, int bias) {
+  Fp8Bf16Tables t{};
+  for (int c = 0; c < 128; ++c) {
+    t.hi[c] = static_cast<uint8_t>(fp8_bf16_bits(c, man, bias) >> 8);
+    t.lo[c] = static_cast<uint8_t>(fp8_bf16_bits(c, man, bias) & 0xff);
+  }
+  return t;
+}
+alignas(64) static constexpr Fp8Bf16Tables kE4m3Bf16 = fp8_bf16_tables(3, 7);
+alignas(64) static constexpr Fp8Bf16Tables kE5m2Bf16 = fp8_bf16_tables(2, 15);
+static inline const Fp8Bf16Tables& bf16_tables(const E4m3*) { return kE4m3Bf16; }
+static inline const Fp8Bf16Tables& bf16_tables(const E5m2*) { return kE5m2Bf16; }
 
-template <int Man, int Rebias, int SpecialFrom>  // mantissa bits; exponent rebias; first all-ones-exponent code
-static inline __m512i fp8_bf16_lanes(const void* p, __mmask32 mask, const uint16_t* subnormals) {
-  const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
-  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
-  __m512i h = _mm512_add_epi16(_mm512_slli_epi16(mag, 7 - Man), _mm512_set1_epi16(Rebias << 7));
-  h = _mm512_mask_permutexvar_epi16(h, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(1 << Man)), mag,
-                                    _mm512_load_si512(subnormals));
-  const __m512i special = _mm512_or_si512(  // infinity, or NaN with the code's mantissa
-      _mm512_set1_epi16(0x7f80), _mm512_slli_epi16(_mm512_and_si512(mag, _mm512_set1_epi16((1 << Man) - 1)), 7 - Man));
-  h = _mm512_mask_mov_epi16(h, _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(SpecialFrom)), special);
-  return _mm512_or_si512(h, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+// 64 codes x as bf16 lanes in lane order (lo, hi).
+static inline void fp8_to_bf16(__m512i x, const Fp8Bf16Tables& tb, __m512i& lo, __m512i& hi) {
+  __m512i h = _mm512_permutex2var_epi8(_mm512_load_si512(tb.hi), x, _mm512_load_si512(tb.hi + 64));
+  const __m512i l = _mm512_permutex2var_epi8(_mm512_load_si512(tb.lo), x, _mm512_load_si512(tb.lo + 64));
+  h = _mm512_ternarylogic_epi32(h, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (x & 0x80)
+  lo = _mm512_unpacklo_epi8(l, h);
+  hi = _mm512_unpackhi_epi8(l, h);
 }
-static inline __m512i bf16_lanes(const E4m3* p, __mmask32 mask) {
-  return fp8_bf16_lanes<3, 120, 0x7f>(p, mask, kE4m3Subnormals);
+
+// The first min(n, 64) FP8 codes at p (zero beyond) as bf16 lanes in lane order.
+template <typename T>
+static inline void fp8_bf16_lanes(const T* p, int n, __m512i& lo, __m512i& hi) {
+  fp8_to_bf16(_mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1ull, p), bf16_tables(p), lo, hi);
 }
-static inline __m512i bf16_lanes(const E5m2* p, __mmask32 mask) {
-  return fp8_bf16_lanes<2, 112, 0x7c>(p, mask, kE5m2Subnormals);
+
+// Position of dim d of a head in lane order (fp8_bf16_lanes), per 64 dims.
+static inline int fp8_lane_order(int d) {
+  const int g = d & ~63, j = d & 63;
+  return g + ((j & 8) ? 32 : 0) + 8 * (j >> 4) + (j & 7);
 }
 
 // A multi-token tile in bf16: keys packed as bf16 pairs, kt[p][n] = key n's
@@ -42,7 +77,7 @@ static inline __m512i bf16_lanes(const E5m2* p, __mmask32 mask) {
 template <int NR>
 static inline void packed_logits_bf16(Tile& t, int r0, int pairs) {  // t.p[r0 .. r0+NR) = q @ kt
   constexpr int NC = kBlockKeys / 16;
-  const int stride = round_up(t.head_d, 32) / 2;  // pairs per query row of q_bf16
+  const int stride = t.q_stride / 2;  // pairs per query row of q_bf16
   const uint32_t* kt = reinterpret_cast<const uint32_t*>(t.kt);  // [pairs, kBlockKeys]
   __m512 acc[NR][NC];
   for (int i = 0; i < NR; ++i)
@@ -64,7 +99,7 @@ static inline void packed_logits_bf16(Tile& t, int r0, int pairs) {  // t.p[r0 .
 
 template <typename T>
 static void packed_block_bf16(Tile& t, const Block& b) {
-  const int pairs = (t.head_d + 1) / 2;
+  const int pairs = IsFp8<T>::value ? round_up(t.head_d, 64) / 2 : (t.head_d + 1) / 2;
   uint32_t* kt = reinterpret_cast<uint32_t*>(t.kt);
   for (int n = 0; n < kBlockKeys; ++n) {
     prefetch_ahead(t, n);
@@ -75,13 +110,14 @@ static void packed_block_bf16(Tile& t, const Block& b) {
         if (row) memcpy(&pair, row + 2 * p, 2 * p + 1 < t.head_d ? 4 : 2);  // an odd head's last dim pairs with 0
         kt[p * kBlockKeys + n] = pair;
       }
-    } else {  // FP8: 32 dims at a time as bf16 lanes (zero beyond the head: an odd head's last dim pairs with 0)
-      for (int d0 = 0; d0 < t.head_d; d0 += 32) {
-        const int left = t.head_d - d0;
-        uint32_t lanes[16];
-        _mm512_storeu_si512(lanes, row ? bf16_lanes(row + d0, left >= 32 ? ~0u : (1u << left) - 1u)
-                                       : _mm512_setzero_si512());
-        for (int p = 0; p < 16 && 2 * p < left; ++p) kt[(d0 / 2 + p) * kBlockKeys + n] = lanes[p];
+    } else {  // FP8: 64 dims at a time as bf16 lanes in lane order, like the queries (zero beyond the head)
+      for (int d0 = 0; d0 < t.head_d; d0 += 64) {
+        uint32_t lanes[32];
+        __m512i lo = _mm512_setzero_si512(), hi = lo;
+        if (row) fp8_bf16_lanes(row + d0, t.head_d - d0, lo, hi);
+        _mm512_storeu_si512(lanes, lo);
+        _mm512_storeu_si512(lanes + 16, hi);
+        for (int p = 0; p < 32; ++p) kt[(d0 / 2 + p) * kBlockKeys + n] = lanes[p];
       }
     }
     if (!t.pairs) pack_values(t, row, n);  // pair products read the value rows in place
@@ -99,24 +135,57 @@ static void packed_block_bf16(Tile& t, const Block& b) {
 // product; the sums stay fp32. The interleave leaves each 32 dims of an
 // accumulator row in pair order: [dims 8L + j], then [dims 8L + 4 + j], for
 // 128-bit lanes L and j < 4 (unpair_rows restores the order once per tile).
-template <int NR, int NC>  // NC chunks of 32 dims from d0
+// FP8 values: rows n and n + 1 interleaved byte by byte into the order whose
+// bf16 lanes (fp8_to_bf16) are the pairs above: byte 16L + 2i + s of chunk c is
+// row s's dim 32c + 8L + i (bit 6 of an index picks the second row).
+struct PairIndex {
+  alignas(64) uint8_t idx[2][64];
+};
+constexpr PairIndex pair_index() {
+  PairIndex t{};
+  for (int c = 0; c < 2; ++c)
+    for (int b = 0; b < 64; ++b)
+      t.idx[c][b] = static_cast<uint8_t>(((b & 1) << 6) | (32 * c + 8 * (b / 16) + (b % 16) / 2));
+  return t;
+}
+alignas(64) static constexpr PairIndex kPairIndex = pair_index();
+
+// Chunk c < NC of 32 value dims from d of rows ra, rb (null: zero) as bf16 pairs (lo, hi).
+template <typename T, int NC>
+static inline void value_pairs(const void* ra, const void* rb, int d, __m512bh (&lo)[NC], __m512bh (&hi)[NC]) {
+  const __m512i none = _mm512_setzero_si512();
+  if constexpr (IsBf16<T>::value) {
+    for (int c = 0; c < NC; ++c) {
+      const __m512i x = ra ? _mm512_loadu_si512(static_cast<const Bf16*>(ra) + d + 32 * c) : none;
+      const __m512i y = rb ? _mm512_loadu_si512(static_cast<const Bf16*>(rb) + d + 32 * c) : none;
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+  } else {  // FP8: both chunks from one 64-byte load of each row
+    const __mmask64 mask = NC == 2 ? ~0ull : 0xffffffffull;
+    const T* a = static_cast<const T*>(ra);
+    const __m512i x = ra ? _mm512_maskz_loadu_epi8(mask, a + d) : none;
+    const __m512i y = rb ? _mm512_maskz_loadu_epi8(mask, static_cast<const T*>(rb) + d) : none;
+    for (int c = 0; c < NC; ++c) {
+      __m512i l, h;
+      fp8_to_bf16(_mm512_permutex2var_epi8(x, _mm512_load_si512(kPairIndex.idx[c]), y), bf16_tables(a), l, h);
+      lo[c] = (__m512bh)l;
+      hi[c] = (__m512bh)h;
+    }
+  }
+}
+
+template <typename T, int NR, int NC>  // NC chunks of 32 dims from d0
 static inline void pv_pairs_chunks(Tile& t, const Block& b, int r0, int d0, const uint32_t (*pp)[kBlockKeys / 2]) {
   __m512 acc[NR][2 * NC];
   for (int i = 0; i < NR; ++i)
     for (int c = 0; c < 2 * NC; ++c) acc[i][c] = _mm512_loadu_ps(t.acc + (r0 + i) * t.dvp + d0 + 16 * c);
-  const __m512i none = _mm512_setzero_si512();
   for (int n = 0; n < b.n; n += 2) {
     const void* ra = b.row[n];
     const void* rb = n + 1 < b.n ? b.row[n + 1] : nullptr;
     if (!ra && !rb) continue;  // a hidden row weighs 0 and is never read
     __m512bh lo[NC], hi[NC];
-    for (int c = 0; c < NC; ++c) {
-      const int d = t.head_d + d0 + 32 * c;
-      const __m512i x = ra ? _mm512_loadu_si512(static_cast<const Bf16*>(ra) + d) : none;
-      const __m512i y = rb ? _mm512_loadu_si512(static_cast<const Bf16*>(rb) + d) : none;
-      lo[c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
-      hi[c] = (__m512bh)_mm512_unpackhi_epi16(x, y);
-    }
+    value_pairs<T, NC>(ra, rb, t.head_d + d0, lo, hi);
     for (int i = 0; i < NR; ++i) {
       const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i][n / 2]));
       for (int c = 0; c < NC; ++c) {
@@ -129,7 +198,7 @@ static inline void pv_pairs_chunks(Tile& t, const Block& b, int r0, int d0, cons
     for (int c = 0; c < 2 * NC; ++c) _mm512_storeu_ps(t.acc + (r0 + i) * t.dvp + d0 + 16 * c, acc[i][c]);
 }
 
-template <int NR>
+template <typename T, int NR>
 static inline void pv_pairs(Tile& t, const Block& b, int r0) {
   static_assert(kBlockKeys == 32, "one bf16 vector of probabilities per row");
   uint32_t pp[NR][kBlockKeys / 2];  // [row][key pair] bf16 probability pairs
@@ -137,8 +206,8 @@ static inline void pv_pairs(Tile& t, const Block& b, int r0) {
     _mm512_storeu_si512(pp[i], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(t.p[r0 + i] + 16),
                                                             _mm512_loadu_ps(t.p[r0 + i])));
   int d = 0;
-  for (; d + 64 <= t.head_dv; d += 64) pv_pairs_chunks<NR, 2>(t, b, r0, d, pp);
-  if (d < t.head_dv) pv_pairs_chunks<NR, 1>(t, b, r0, d, pp);
+  for (; d + 64 <= t.head_dv; d += 64) pv_pairs_chunks<T, NR, 2>(t, b, r0, d, pp);
+  if (d < t.head_dv) pv_pairs_chunks<T, NR, 1>(t, b, r0, d, pp);
 }
 
 // The tile's accumulator rows from pair order back to dim order.

@@ -11,14 +11,15 @@
 // 1. logits [R, N]: few rows (a decode's GQA group) take dot products
 //    straight from the row, every query row of a register block from one
 //    load of each key vector (bf16 pairs through AVX-512 BF16 dot products
-//    when queries and keys are bf16), the lane sums of sixteen keys taken
-//    together on AVX-512; a multi-token tile first packs the block's keys
-//    transposed (bf16 pairs for AVX-512 BF16 dot products when queries and
-//    keys are bf16, else fp32) and runs a register-blocked R x N product;
+//    when queries are bf16 and keys bf16 or FP8), the lane sums of sixteen
+//    keys taken together on AVX-512; a multi-token tile first packs the
+//    block's keys transposed (bf16 pairs for AVX-512 BF16 dot products when
+//    queries are bf16 and keys bf16 or FP8, else fp32) and runs a
+//    register-blocked R x N product;
 // 2. the online softmax update per query row, vectorised (hidden logits weigh 0),
 //    after the model's logit cap when it has one;
 // 3. acc [R, Dv] += P [R, N] @ V [N, Dv], register-blocked, each value
-//    vector loaded once per row block: bf16 values two keys per AVX-512 BF16
+//    vector loaded once per row block: bf16 or FP8 values two keys per AVX-512 BF16
 //    dot product (chunked_kv_cpu_bf16.h), others in fp32 (packed for
 //    multi-token tiles).
 //
@@ -46,7 +47,7 @@ static inline void key_partials(const Tile& t, int r0, const T* key, vf out[NR])
   for (int i = 0; i < NR; ++i) acc[i] = vzero();
 #if defined(CHUNKED_KV_AVX512_BF16)
   if constexpr (Bf && IsBf16<T>::value) {
-    const int stride = round_up(t.head_d, 32);
+    const int stride = t.q_stride;
     const uint16_t* q = t.q_bf16 + r0 * stride;
     for (int d = 0; d < t.head_d; d += 32) {
       const int left = t.head_d - d;
@@ -54,6 +55,20 @@ static inline void key_partials(const Tile& t, int r0, const T* key, vf out[NR])
       const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d);
       for (int i = 0; i < NR; ++i)
         acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(q + i * stride + d), k);
+    }
+    for (int i = 0; i < NR; ++i) out[i] = acc[i];
+    return;
+  }
+  if constexpr (Bf && IsFp8<T>::value) {  // FP8 keys as bf16 lanes, against queries in the same order
+    const uint16_t* q = t.q_bf16 + r0 * t.q_stride;
+    for (int d = 0; d < t.head_d; d += 64) {
+      __m512i lo, hi;
+      fp8_bf16_lanes(key + d, t.head_d - d, lo, hi);
+      for (int i = 0; i < NR; ++i) {
+        const uint16_t* qi = q + i * t.q_stride + d;
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(qi), (__m512bh)lo);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(qi + 32), (__m512bh)hi);
+      }
     }
     for (int i = 0; i < NR; ++i) out[i] = acc[i];
     return;
@@ -154,7 +169,7 @@ static void block_logits(Tile& t, const Block& b) {
     return;
   }
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if (IsBf16<T>::value && t.dot_bf16)  // FP8 keys of a few-row tile: fp32 products beat a conversion to bf16
+  if (BfExact<T>::value && t.dot_bf16)  // bf16 keys, or FP8 keys read as bf16 lanes
     return row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, true>(t, b, r0); });
 #endif
   row_blocks(t.rows, [&](auto nr, int r0) { direct_logits<T, decltype(nr)::value, false>(t, b, r0); });
@@ -230,9 +245,9 @@ template <typename T>
 static void block_values(Tile& t, const Block& b) {
   if (t.library) return library_values(t);
 #if defined(CHUNKED_KV_AVX512_BF16)
-  if constexpr (IsBf16<T>::value) {  // bf16 pages only (attend_item's t.pairs)
+  if constexpr (BfExact<T>::value) {  // bf16 or FP8 pages (attend_item's t.pairs)
     if (t.pairs)
-      return row_blocks(t.rows, [&](auto nr, int r0) { pv_pairs<decltype(nr)::value>(t, b, r0); });
+      return row_blocks(t.rows, [&](auto nr, int r0) { pv_pairs<T, decltype(nr)::value>(t, b, r0); });
   }
 #endif
   const void* ptrs[kBlockKeys];

@@ -39,7 +39,7 @@ std::vector<const KernelTable*> supported_tables() {
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) tables.push_back(&chunked_kv_cpu::kAvx512Bf16Table);
+  if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")) tables.push_back(&chunked_kv_cpu::kAvx512Bf16Table);
   if (avx512) tables.push_back(&chunked_kv_cpu::kAvx512Table);
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     tables.push_back(&chunked_kv_cpu::kAvx2Table);

@@ -46,7 +46,7 @@ static void library_logits(Tile& t, const Block& b) {
       vp[vnni ? ((n / 2) * t.head_dv + d) * 2 + n % 2 : n * t.head_dv + d] = x;
     }
   }
-  g_library->bf16(t.rows, kBlockKeys, k_dims, round_up(t.head_d, 32), kBlockKeys, kBlockKeys, false, t.q_bf16, kt,
+  g_library->bf16(t.rows, kBlockKeys, k_dims, t.q_stride, kBlockKeys, kBlockKeys, false, t.q_bf16, kt,
                   &t.p[0][0], vnni);
   const vf scale = vset(t.post_scale);
   for (int r = 0; r < t.rows; ++r)

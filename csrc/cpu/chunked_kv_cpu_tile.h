@@ -24,7 +24,9 @@ struct Tile {
   float post_scale;  // the softmax scale, applied to bf16 dot products (the fp32 queries carry it)
   float softcap;     // the model's logit cap (0: none), applied before the block's bias
   float* q;          // [rows, dp] queries times the scale, fp32, zero-padded
-  uint16_t* q_bf16;  // [rows, round_up(head_d, 32)] bf16 queries, unscaled (dot_bf16 only)
+  uint16_t* q_bf16;  // [rows, q_stride] bf16 queries, unscaled (dot_bf16 only)
+  int q_stride;      // round_up(head_d, 64)
+  bool q_lanes;      // q_bf16 rows in FP8 lane order (fp8_lane_order), for FP8 keys read as bf16 lanes
   float* acc;        // [rows, dvp]
   float* kt;         // [dp, kBlockKeys] packed keys, transposed (bf16 pairs [dp / 2, kBlockKeys] if dot_bf16)
   float* vp;         // [kBlockKeys, dvp] packed values (bf16 [kBlockKeys, head_dv] for the library)

@@ -4,6 +4,8 @@ how a kernel stores bytes, through its `write_chunks` pooling stored rows.
 A `pool(rows, chunk, fmt)` function is an implementation's `write_chunks` over
 `pooling_step(rows, chunk)`: stored rows ``[M * chunk, Dk + Dv]`` (uint8) pooled
 with equal gains, returning the bytes it stored, ``[M, Dk + Dv]`` on the CPU.
+`every_code_step` is a step whose keys hold every finite code, for how a
+kernel reads them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import fp8
-from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, build_plan
 
 Pool = Callable[[torch.Tensor, int, fp8.PageFormat], torch.Tensor]
 
@@ -64,3 +66,48 @@ def check_mean_rounding(pool: Pool, cache_dtype: str, device: str = "cpu") -> No
     ties = fp8.quantise(mean * (1 + 2 ** -20), fmt) != fp8.quantise(mean * (1 - 2 ** -20), fmt)  # midway between codes
     assert ties.sum() > 100
     torch.testing.assert_close(fp8.dequantise(got, fmt), fp8.dequantise(fp8.quantise(mean, fmt), fmt), rtol=0, atol=0)
+
+
+def every_code_step(cache_dtype: str, one_hot: bool) -> tuple[tuple, fp8.PageFormat]:
+    """One prefill of 128 tokens, GQA 4 over 2 KV heads, keys of 64 dims (values of 40: no
+    value pair products, whose bf16 probabilities would round), on FP8 pages
+    whose keys hold every finite code (NaN and E5M2's infinities excepted): dim d
+    of a key holds exponent field d mod 2^E (E exponent bits), token n's sign and
+    mantissa (n mod 2^(M+1)); rows beyond the window pooled (chunk 4, window 32).
+    Queries bf16: with `one_hot`, one dim per query row, of magnitude 2^(bias - e)
+    for that dim's exponent field e (2^(bias - 1) for subnormals), so that every
+    logit is a single code's value brought near 1 (exact in fp32 however the dot
+    product is summed); else Gaussian. Returns the arguments of ``attend(query,
+    stored, comp, raw, plan, scale)`` (scale 1) and the page format (scales 1)."""
+    from vllm_chunked_kv.ops.kernels import compressed, shared
+
+    from .schedule import Pager
+
+    man, bias = (3, 7) if cache_dtype in ("fp8", "fp8_e4m3") else (2, 15)
+    fields, head, head_v = 1 << (7 - man), 64, 40
+    fmt = fp8.PageFormat(cache_dtype, head_size=head)
+    n, hq, hkv = 128, 8, 2
+    field = torch.arange(head) % fields  # [D]: each dim's exponent field
+    pattern = torch.arange(n)[:, None] % (1 << (man + 1))  # [n, 1]: sign and mantissa bits
+    finite_field = torch.where(field == fields - 1, fields - 2, field) if man == 2 else field  # E5M2: no inf/NaN
+    keys = (pattern >> man << 7) | (finite_field << man) | (pattern & ((1 << man) - 1))  # [n, D] codes
+    if man == 3:
+        keys = torch.where(keys & 0x7F == 0x7F, keys - 1, keys)  # E4M3: 0x7f and 0xff are NaN
+    gen = torch.Generator().manual_seed(3)
+    values = fp8.quantise(torch.randn(n, hkv, head_v, generator=gen), fmt)  # [n, Hkv, Dv] bytes
+    stored = torch.cat([keys.to(torch.uint8)[:, None].expand(n, hkv, head), values], dim=-1)  # [n, Hkv, D + Dv]
+    if one_hot:
+        dim = (torch.arange(n)[:, None] * hq + torch.arange(hq)) % head  # [n, Hq]: each row's one dim
+        exponent = bias - field[dim].clamp(min=1)
+        query = torch.zeros(n, hq, head)
+        query.scatter_(-1, dim[..., None], (2.0 ** exponent.float())[..., None])
+    else:
+        query = torch.randn(n, hq, head, generator=gen)
+    cfg = ChunkedKVConfig(chunk_size=4, window=32, sink_tokens=4)
+    pager = Pager(cfg, [0] * hkv, cfg.hop * 4, 1, num_kv_heads=hkv, row=head + head_v, fmt=fmt)
+    pager.allocate(0, n)
+    step = [(0, 0, n)]
+    plan = build_plan(pager.batch(step), cfg, [0] * hkv, bias=True)
+    shared.write_raw(pager.raw, stored, pager.raw_slots(step), plan.raw_writes)
+    compressed.write_chunks(pager.comp, pager.raw, stored, plan.writes, cfg, head, fmt=fmt)
+    return (query.to(torch.bfloat16), stored, pager.comp, pager.raw, plan, 1.0), fmt

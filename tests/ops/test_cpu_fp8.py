@@ -13,11 +13,14 @@
   setting (`schedule.FP8_SCHEDULES`), GQA 2 and 4, the model's logit
   options, split contexts and query tiles, on every instruction set this
   CPU has.
-- bf16 queries over FP8 pages (prefill pieces' packed tiles read the keys
-  as bf16 pairs where the CPU has AVX-512 BF16: FP8 values are bf16
-  exactly) equal the reference within bf16 tolerance, decodes included, for
-  heads of 64 and 40; value pair products stay with bf16 pages (counted:
-  none here).
+- bf16 queries over FP8 pages (where the CPU has AVX-512 BF16, decode and
+  packed tiles read keys and values as bf16 lanes through VBMI byte
+  tables: FP8 values are bf16 exactly) equal the reference within bf16
+  tolerance, for heads of 64 and 40; values of 64 take pair products
+  (counted), values of 40 not. The tables read every finite code exactly: with one-hot
+  queries (each logit one code's value) the output equals the AVX-512
+  kernel's fp32 products bit for bit, decode and packed tiles alike, while
+  Gaussian queries round differently there (a different path ran).
 - Forced onto the library GEMM (oneDNN's batch-reduce GEMM, what runs on
   matrix units), multi-token tiles of bf16 queries over FP8 pages of both
   formats take both products there (counted) and equal the reference
@@ -35,7 +38,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.kernels import compressed, cpu_ext
 
-from .fp8_checks import check_every_code, check_mean_rounding, pooling_step
+from .fp8_checks import check_every_code, check_mean_rounding, every_code_step, pooling_step
 from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
 from .test_cpu_ext import gemm, isa, module  # noqa: F401 (fixtures)
 
@@ -92,7 +95,29 @@ def test_bf16_queries_over_fp8_pages(module, cache_dtype, head_size):
     assert run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="cpp", group=3, head_size=head_size,
                         head_size_v=head_size, dtype=torch.bfloat16, cache_dtype=cache_dtype, tol=3e-2,
                         attend_kwargs=dict(block_m=5)) > 4
-    assert module.pair_value_tiles() == before
+    takes_pairs = "avx512bf16" in module.supported_isas() and head_size % 32 == 0
+    assert (module.pair_value_tiles() > before) == takes_pairs
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("block_m", [1, 16])  # decode tiles (4 rows), packed tiles (64 rows)
+def test_fp8_keys_read_as_bf16_lanes_exactly(module, isa, cache_dtype, block_m):
+    if "avx512bf16" not in module.supported_isas():
+        pytest.skip("this CPU has no AVX-512 BF16 with VBMI")
+    for one_hot in (True, False):
+        args, fmt = every_code_step(cache_dtype, one_hot)
+        outs = {}
+        for each in ("avx512bf16", "avx512"):
+            isa(each)
+            out = torch.full((*args[0].shape[:2], 40), float("nan"))  # fp32: a logit's rounding is not lost in bf16
+            cpu_ext.attend(*args, out=out, block_m=block_m, fmt=fmt)
+            assert out.isfinite().all()
+            outs[each] = out
+        if one_hot:
+            assert torch.equal(outs["avx512bf16"], outs["avx512"])
+        else:
+            torch.testing.assert_close(outs["avx512bf16"], outs["avx512"], atol=1e-3, rtol=1e-3)  # logits up to ~10^4
+            assert not torch.equal(outs["avx512bf16"], outs["avx512"])
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
