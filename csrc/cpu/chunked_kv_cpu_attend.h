@@ -190,8 +190,8 @@ static int attend_item(const AttendArgs& a, Tile& t, Block& b, int64_t row, int6
   for (int m = 0; m < tq.count; ++m) tq.s[m] = seal(a, tq.t_lo + m, tq.origin);
   t.rows = static_cast<int>(tq.count) * group;
   t.packed = t.rows > kPackRows;
-  // bf16 pages, or FP8 pages, whose every value bf16 holds exactly (read as bf16, scales applied outside)
-  constexpr bool bf16_exact = (IsBf16<TC>::value && IsBf16<TS>::value) || (IsFp8<TC>::value && IsFp8<TS>::value);
+  // bf16 or FP8 pages with step rows of the same type (FP8: always), read as bf16
+  constexpr bool bf16_exact = BfExact<TC>::value && std::is_same<TC, TS>::value;
 #if defined(CHUNKED_KV_AVX512_BF16)
   t.dot_bf16 = a.query_is_bf16;
   t.pairs = t.dot_bf16 && bf16_exact && a.head_dv % 32 == 0;  // value pair products (bf16.h)

@@ -11,45 +11,14 @@
 namespace chunked_kv_cpu {
 namespace {
 
-// FP8 bytes as bf16 lanes, exactly, through byte tables (AVX-512 VBMI): each
-// magnitude code's bf16 bits (E4M3 rebiased by 120, E5M2 by 112, subnormals
-// normalised, NaN and E5M2's infinities kept) split into a high and a low byte,
-// 128 entries each, looked up for 64 codes by one two-table byte permute; the
-// sign bit is the code's own. Interleaving the two bytes yields the lanes in
-// "lane order": of 64 dims, lo holds dims 16L + j and hi dims 16L + 8 + j
-// (128-bit lane L, j < 8). A dot product with a query stored in the same
-// order (fp8_lane_order) is the dot product in dim order: 3 instructions per
-// 32 dims, where bf16 pages load them directly.
-constexpr uint16_t fp8_bf16_bits(int code, int man, int bias) {  // code < 128: sign clear
-  const int e = code >> man, m = code & ((1 << man) - 1);
-  if (man == 3 && code == 0x7f) return 0x7fc0;             // E4M3: NaN (no infinity)
-  if (man == 2 && e == 31) return m ? 0x7fc0 : 0x7f80;     // E5M2: NaN, infinity
-  if (e == 0) {
-    if (m == 0) return 0;
-    int top = man - 1;  // leading bit of the subnormal's mantissa
-    while (!(m >> top)) --top;
-    return static_cast<uint16_t>(((128 - bias - man + top) << 7) | ((m - (1 << top)) << (7 - top)));
-  }
-  return static_cast<uint16_t>(((e - bias + 127) << 7) | (m << (7 - man)));
-}
-struct Fp8Bf16Tables {
-  alignas(64) uint8_t hi[128];
-  alignas(64) uint8_t lo[128];
-};
-constexpr Fp8Bf16Tables fp8_bf16_tables(int man, int bias) {
-  Fp8Bf16Tables t{};
-  for (int c = 0; c < 128; ++c) {
-    t.hi[c] = static_cast<uint8_t>(fp8_bf16_bits(c, man, bias) >> 8);
-    t.lo[c] = static_cast<uint8_t>(fp8_bf16_bits(c, man, bias) & 0xff);
-  }
-  return t;
-}
-alignas(64) static constexpr Fp8Bf16Tables kE4m3Bf16 = fp8_bf16_tables(3, 7);
-alignas(64) static constexpr Fp8Bf16Tables kE5m2Bf16 = fp8_bf16_tables(2, 15);
-static inline const Fp8Bf16Tables& bf16_tables(const E4m3*) { return kE4m3Bf16; }
-static inline const Fp8Bf16Tables& bf16_tables(const E5m2*) { return kE5m2Bf16; }
-
-// 64 codes x as bf16 lanes in lane order (lo, hi).
+// FP8 bytes as bf16 lanes, exactly, through the byte tables of
+// chunked_kv_cpu_simd.h: 64 codes' high and low bytes looked up by one
+// two-table byte permute each (AVX-512 VBMI); the sign bit is the code's own.
+// Interleaving the two bytes yields the lanes in "lane order": of 64 dims, lo
+// holds dims 16L + j and hi dims 16L + 8 + j (128-bit lane L, j < 8). A dot
+// product with a query stored in the same order (fp8_lane_order) is the dot
+// product in dim order: 3 instructions per 32 dims, where bf16 pages load
+// them directly. Here: 64 codes x as bf16 lanes in lane order (lo, hi).
 static inline void fp8_to_bf16(__m512i x, const Fp8Bf16Tables& tb, __m512i& lo, __m512i& hi) {
   __m512i h = _mm512_permutex2var_epi8(_mm512_load_si512(tb.hi), x, _mm512_load_si512(tb.hi + 64));
   const __m512i l = _mm512_permutex2var_epi8(_mm512_load_si512(tb.lo), x, _mm512_load_si512(tb.lo + 64));

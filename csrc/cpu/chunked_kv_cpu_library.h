@@ -25,7 +25,8 @@ namespace {
 template <typename T>
 static inline uint16_t bf16_bits(const T* row, int d) {
   if constexpr (IsBf16<T>::value) return row[d].bits;
-  else return from_float<Bf16>(to_float(row[d])).bits;
+  else if constexpr (IsFp8<T>::value) return fp8_as_bf16(row[d]);
+  else return from_float<Bf16>(to_float(row[d])).bits;  // compiled for every type; only bf16 and FP8 come here
 }
 
 template <typename T>

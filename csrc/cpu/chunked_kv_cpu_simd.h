@@ -92,6 +92,47 @@ template <typename T> struct IsFp8 { static constexpr bool value = false; };
 template <> struct IsFp8<E4m3> { static constexpr bool value = true; };
 template <> struct IsFp8<E5m2> { static constexpr bool value = true; };
 
+// Every FP8 value is a bf16: each magnitude code's bf16 bits (E4M3 rebiased by
+// 120, E5M2 by 112, subnormals normalised, NaN and E5M2's infinities kept),
+// split into a high and a low byte, 128 entries each (the AVX-512 BF16
+// kernels look up 64 codes at once, chunked_kv_cpu_bf16.h).
+constexpr uint16_t fp8_bf16_bits(int code, int man, int bias) {  // code < 128: sign clear
+  const int e = code >> man, m = code & ((1 << man) - 1);
+  if (man == 3 && code == 0x7f) return 0x7fc0;             // E4M3: NaN (no infinity)
+  if (man == 2 && e == 31) return m ? 0x7fc0 : 0x7f80;     // E5M2: NaN, infinity
+  if (e == 0) {
+    if (m == 0) return 0;
+    int top = man - 1;  // leading bit of the subnormal's mantissa
+    while (!(m >> top)) --top;
+    return static_cast<uint16_t>(((128 - bias - man + top) << 7) | ((m - (1 << top)) << (7 - top)));
+  }
+  return static_cast<uint16_t>(((e - bias + 127) << 7) | (m << (7 - man)));
+}
+struct Fp8Bf16Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+};
+constexpr Fp8Bf16Tables fp8_bf16_tables(int man, int bias) {
+  Fp8Bf16Tables t{};
+  for (int c = 0; c < 128; ++c) {
+    t.hi[c] = static_cast<uint8_t>(fp8_bf16_bits(c, man, bias) >> 8);
+    t.lo[c] = static_cast<uint8_t>(fp8_bf16_bits(c, man, bias) & 0xff);
+  }
+  return t;
+}
+alignas(64) static constexpr Fp8Bf16Tables kE4m3Bf16 = fp8_bf16_tables(3, 7);
+alignas(64) static constexpr Fp8Bf16Tables kE5m2Bf16 = fp8_bf16_tables(2, 15);
+static inline const Fp8Bf16Tables& bf16_tables(const E4m3*) { return kE4m3Bf16; }
+static inline const Fp8Bf16Tables& bf16_tables(const E5m2*) { return kE5m2Bf16; }
+
+// One FP8 code as bf16 bits, from the tables.
+template <typename T>
+static inline uint16_t fp8_as_bf16(T x) {
+  const Fp8Bf16Tables& tb = bf16_tables(&x);
+  const int c = x.bits & 0x7f;
+  return static_cast<uint16_t>((tb.hi[c] << 8) | tb.lo[c] | ((x.bits & 0x80) << 8));
+}
+
 // x rounded to the storage type T and back (what storing it in T keeps).
 template <typename T> static inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
