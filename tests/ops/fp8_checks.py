@@ -16,7 +16,7 @@ import torch
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import fp8
-from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites, build_plan
+from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
 Pool = Callable[[torch.Tensor, int, fp8.PageFormat], torch.Tensor]
 
@@ -79,9 +79,7 @@ def every_code_step(cache_dtype: str, one_hot: bool) -> tuple[tuple, fp8.PageFor
     logit is a single code's value brought near 1 (exact in fp32 however the dot
     product is summed); else Gaussian. Returns the arguments of ``attend(query,
     stored, comp, raw, plan, scale)`` (scale 1) and the page format (scales 1)."""
-    from vllm_chunked_kv.ops.kernels import compressed, shared
-
-    from .schedule import Pager
+    from .schedule import prefill_pages
 
     man, bias = (3, 7) if cache_dtype in ("fp8", "fp8_e4m3") else (2, 15)
     fields, head, head_v = 1 << (7 - man), 64, 40
@@ -103,11 +101,5 @@ def every_code_step(cache_dtype: str, one_hot: bool) -> tuple[tuple, fp8.PageFor
         query.scatter_(-1, dim[..., None], (2.0 ** exponent.float())[..., None])
     else:
         query = torch.randn(n, hq, head, generator=gen)
-    cfg = ChunkedKVConfig(chunk_size=4, window=32, sink_tokens=4)
-    pager = Pager(cfg, [0] * hkv, cfg.hop * 4, 1, num_kv_heads=hkv, row=head + head_v, fmt=fmt)
-    pager.allocate(0, n)
-    step = [(0, 0, n)]
-    plan = build_plan(pager.batch(step), cfg, [0] * hkv, bias=True)
-    shared.write_raw(pager.raw, stored, pager.raw_slots(step), plan.raw_writes)
-    compressed.write_chunks(pager.comp, pager.raw, stored, plan.writes, cfg, head, fmt=fmt)
+    pager, plan = prefill_pages(ChunkedKVConfig(chunk_size=4, window=32, sink_tokens=4), stored, head, fmt)
     return (query.to(torch.bfloat16), stored, pager.comp, pager.raw, plan, 1.0), fmt

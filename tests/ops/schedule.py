@@ -27,7 +27,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch, fp8
 from vllm_chunked_kv.ops.reference import reference_chunked_attention
 from vllm_chunked_kv.ops.plans.decode_plan import build_decode_plan, build_mixed_plan
-from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, build_plan
+from vllm_chunked_kv.ops.plans.step_plan import PagedBatch, StepPlan, build_plan
 
 # Settings every implementation is checked under: each mitigation and
 # pooling mode, sinks, staggered grids, chunk 1, per-request grid alignment,
@@ -393,40 +393,48 @@ def mixed_dtypes_step(attend) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 queries with fp32 step rows into an fp16 ``out`` (NaN before):
     (out after ``attend(query, step_rows, comp, raw, plan, scale, out=out)``,
     `compressed.attend`'s fp32 result from the queries in fp32)."""
-    from vllm_chunked_kv.ops.kernels import compressed, shared
+    from vllm_chunked_kv.ops.kernels import compressed
 
     cfg = ChunkedKVConfig(**CONFIGS["none-sinks"])
-    pager = Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=16)
-    pager.allocate(0, 40)
-    step = [(0, 0, 40)]
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(40, 4, 8, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
     step_rows = torch.randn(40, 2, 16, generator=gen)  # [n, Hkv, D + Dv] fp32
-    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
-    shared.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
-    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, 8)
+    pager, plan = prefill_pages(cfg, step_rows, 8)
     want = compressed.attend(query.float(), step_rows, pager.comp, pager.raw, plan, 0.5)  # [n, Hq, Dv] fp32
     out = torch.full((40, 4, 8), float("nan"), dtype=torch.float16)
     assert attend(query, step_rows, pager.comp, pager.raw, plan, 0.5, out=out) is out
     return out, want
 
 
+def prefill_pages(cfg: ChunkedKVConfig, stored: torch.Tensor, head_size: int,
+                  fmt: fp8.PageFormat | None = None) -> tuple[Pager, StepPlan]:
+    """One request's prefill of the stored rows ``[n, Hkv, Dk + Dv]`` (FP8 bytes with
+    `fmt`), every KV head's grid at 0: its pages written as the backend writes them
+    (raw rows, then the chunks they complete) and its plan."""
+    from vllm_chunked_kv.ops.kernels import compressed, shared
+
+    n, hkv, row = stored.shape
+    pager = Pager(cfg, [0] * hkv, cfg.hop * 4, 1, num_kv_heads=hkv, row=row, dtype=stored.dtype, fmt=fmt)
+    pager.allocate(0, n)
+    step = [(0, 0, n)]
+    plan = build_plan(pager.batch(step), cfg, [0] * hkv, bias=True)
+    shared.write_raw(pager.raw, stored, pager.raw_slots(step), plan.raw_writes)
+    compressed.write_chunks(pager.comp, pager.raw, stored, plan.writes, cfg, head_size,
+                            **({} if fmt is None else {"fmt": fmt}))
+    return pager, plan
+
+
 def bf16_prefill_step(head_size: int) -> tuple[tuple, torch.Tensor]:
     """One prefill of 100 tokens, bf16 queries, rows and caches, GQA 4:
     (the arguments of ``attend(query, step_rows, comp, raw, plan, scale)``,
     `compressed.attend`'s fp32 result from the same values in fp32)."""
-    from vllm_chunked_kv.ops.kernels import compressed, shared
+    from vllm_chunked_kv.ops.kernels import compressed
 
     cfg = ChunkedKVConfig(**CONFIGS["boundary-gated"])
-    pager = Pager(cfg, [0, 0], cfg.hop * 4, 1, num_kv_heads=2, row=2 * head_size, dtype=torch.bfloat16)
-    pager.allocate(0, 100)
-    step = [(0, 0, 100)]
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(100, 8, head_size, generator=gen).to(torch.bfloat16)  # [n, Hq, D]
     step_rows = torch.randn(100, 2, 2 * head_size, generator=gen).to(torch.bfloat16)  # [n, Hkv, D + Dv]
-    plan = build_plan(pager.batch(step), cfg, [0, 0], bias=True)
-    shared.write_raw(pager.raw, step_rows, pager.raw_slots(step), plan.raw_writes)
-    compressed.write_chunks(pager.comp, pager.raw, step_rows, plan.writes, cfg, head_size)
+    pager, plan = prefill_pages(cfg, step_rows, head_size)
     args = (query, step_rows, pager.comp, pager.raw, plan, head_size ** -0.5)
     want = compressed.attend(query.float(), step_rows.float(), pager.comp.float(), pager.raw.float(), plan,
                              head_size ** -0.5)  # [n, Hq, Dv] fp32
