@@ -57,6 +57,24 @@ def test_old_facts_are_beyond_min_distance(byte_tokenizer):
     assert far > 20
 
 
+def test_facts_sets_how_many_facts_a_row_holds(byte_tokenizer):
+    """`facts=(lo, hi)`: every row holds lo-hi facts (all of them placed), and asks up to
+    `questions[1]` of them; the default is 2-6."""
+    counts = []
+    for seed in range(12):
+        row = data.retrieval_row(byte_tokenizer, random.Random(seed), 2048, min_distance=640,
+                                 questions=(6, 8), distractors=0.5, facts=(9, 12))
+        text = byte_tokenizer.decode(row.ids)
+        first_question = text.index("\n\nQuestion:")
+        counts.append(len(_facts(text[:first_question])))
+        asked = byte_tokenizer.decode([t for t in row.labels if t != data.IGNORE]).replace(".", " ").split()
+        assert 6 <= len(asked) <= 8
+    assert min(counts) >= 9 and max(counts) <= 12 and len(set(counts)) > 1
+    default = [len(_facts(byte_tokenizer.decode(data.retrieval_row(byte_tokenizer, random.Random(s), 1024).ids)))
+               for s in range(12)]
+    assert min(default) >= 2 and max(default) <= 6
+
+
 def test_rows_are_deterministic(byte_tokenizer):
     a = data.retrieval_row(byte_tokenizer, random.Random(7), 512)
     b = data.retrieval_row(byte_tokenizer, random.Random(7), 512)

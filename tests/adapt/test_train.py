@@ -68,6 +68,18 @@ def test_step_rows_are_text_then_repeat_then_retrieval_then_full(monkeypatch):
             train.check_options(CFG, train.AdaptOptions(rows=4, full_rows=1, **bad))
 
 
+def test_facts_and_questions_options_reach_the_rows_and_are_checked(monkeypatch):
+    seen = []
+    monkeypatch.setattr(train.data, "text_row", lambda *a, **k: "text")
+    monkeypatch.setattr(train.data, "retrieval_row", lambda *a, **k: seen.append(k) or "retrieval")
+    train.step_rows(None, 0, train.AdaptOptions(min_facts=8, max_facts=12, min_questions=5, max_questions=8))
+    assert seen and all(k["facts"] == (8, 12) and k["questions"] == (5, 8) for k in seen)
+    for field, bad in (("min_facts", dict(min_facts=1)), ("min_facts", dict(min_facts=7, max_facts=6)),
+                       ("min_questions", dict(min_questions=0)), ("min_questions", dict(min_questions=5))):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            train.check_options(CFG, train.AdaptOptions(**bad))
+
+
 def test_precision_picks_bf16_only_where_it_is_native(monkeypatch):
     assert train.autocast(train.AdaptOptions(precision="bf16")).fast_dtype == torch.bfloat16
     assert train.autocast(train.AdaptOptions(precision="bf16"))._enabled

@@ -16,9 +16,9 @@ of the seven training phrasings is the evaluation's).
   costs in perplexity (`benchmarks/perplexity.py`'s `ppl_by_repeat`); the
   full-attention teacher copies them almost surely, so these rows teach
   copying from pooled rows.
-- retrieval row: docstring filler with 2-6 facts ("The badge number assigned
-  to Elena Costa is 5521.") at random token positions, then questions about
-  some of them (1-3 by default), each answered by its code. Most asked
+- retrieval row: docstring filler with facts ("The badge number assigned
+  to Elena Costa is 5521."; 2-6 by default) at random token positions, then
+  questions about some of them (1-3 by default), each answered by its code. Most asked
   facts sit more than `min_distance` tokens before their question (beyond
   the raw window), one may be recent. Loss: KL on every token plus cross-entropy on the answers.
   With probability `distractors` the row is a hard one: every fact has the
@@ -106,12 +106,14 @@ def repeat_row(tokenizer, rng: random.Random, length: int, min_distance: int = 1
 
 
 def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int = 160,
-                  questions: tuple[int, int] = (1, 3), distractors: float = 0.0) -> Row:
-    """A retrieval row of exactly `length` tokens (see the module docstring) asking
-    between `questions[0]` and `questions[1]` of its facts; a hard row (one
-    phrasing, a recent unasked fact) with probability `distractors`."""
+                  questions: tuple[int, int] = (1, 3), distractors: float = 0.0,
+                  facts: tuple[int, int] = (2, 6)) -> Row:
+    """A retrieval row of exactly `length` tokens (see the module docstring) holding
+    between `facts[0]` and `facts[1]` facts (at least 2) and asking between
+    `questions[0]` and `questions[1]` of them; a hard row (one phrasing, a recent
+    unasked fact) with probability `distractors`."""
     hard = distractors > 0 and rng.random() < distractors  # no draw at 0: rows of earlier recipes unchanged
-    facts = prose_codes.training_facts(rng, rng.randint(2, 6), same_phrasing=hard)
+    facts = prose_codes.training_facts(rng, rng.randint(*facts), same_phrasing=hard)
     asked = rng.sample(range(len(facts)), k=min(len(facts) - hard, rng.randint(*questions)))
     questions = [prose_codes.question_text(facts[i]) for i in asked]
     question_ids = [(encode(tokenizer, q), encode(tokenizer, a)) for q, a in questions]

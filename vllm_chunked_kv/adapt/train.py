@@ -69,8 +69,10 @@ class AdaptOptions:
     min_distance: int = 160  # asked facts and copied spans sit at least this many tokens before they are asked
     kl_positions: int = 0  # positions scored per step (plus the answers; adapt/loss.py); 0: every token
     kl_top_k: int = 0  # distil on the teacher's top k tokens and the rest as one; 0: the full distribution
-    min_questions: int = 2  # questions per retrieval row, at least (capped by the row's 2-6 facts)
+    min_questions: int = 2  # questions per retrieval row, at least (capped by the row's facts)
     max_questions: int = 4  # and at most
+    min_facts: int = 2  # facts per retrieval row, at least (2 or more: a hard row leaves one unasked)
+    max_facts: int = 6  # and at most
     distractors: float = 0.5  # share of retrieval rows in one phrasing with a recent unasked fact (adapt/data.py)
     seed: int = 0
     checkpoint_every: int = 20
@@ -99,6 +101,11 @@ def check_options(cfg: ChunkedKVConfig, opts: AdaptOptions) -> None:
             opts.text_rows + opts.repeat_rows + opts.full_rows > opts.rows:
         raise ValueError(f"rows: {opts.rows} rows cannot hold {opts.text_rows} text, {opts.repeat_rows} repeat "
                          f"and {opts.full_rows} full-attention rows")
+    if not 2 <= opts.min_facts <= opts.max_facts:
+        raise ValueError(f"min_facts: expected 2 <= min_facts <= max_facts, got {opts.min_facts} and {opts.max_facts}")
+    if not 1 <= opts.min_questions <= opts.max_questions:
+        raise ValueError(f"min_questions: expected 1 <= min_questions <= max_questions, got {opts.min_questions} "
+                         f"and {opts.max_questions}")
     if opts.gains_per_layer and not opts.learn_gains:
         raise ValueError("gains_per_layer: needs learn_gains")
     if opts.learn_gains and not gains_apply(cfg):
@@ -167,7 +174,7 @@ def step_rows(tokenizer, step: int, opts: AdaptOptions) -> list[data.Row]:
         else:
             rows.append(data.retrieval_row(tokenizer, rng, length, min_distance=opts.min_distance,
                                            questions=(opts.min_questions, opts.max_questions),
-                                           distractors=opts.distractors))
+                                           distractors=opts.distractors, facts=(opts.min_facts, opts.max_facts)))
     return [data.with_bos(row, bos) for row in rows]
 
 
