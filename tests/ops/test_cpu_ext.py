@@ -45,9 +45,9 @@ from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.kernels import compressed, cpu_ext
 from vllm_chunked_kv.ops.plans.step_plan import ChunkWrites
 
-from . import schedule
-from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,
-                       run_cache_layout, run_logit_shape, run_schedule, run_shape)
+from . import kernel_checks, schedule
+from .kernel_checks import CACHE_LAYOUTS, KERNEL_SHAPES, LOGIT_SHAPES, run_cache_layout, run_logit_shape, run_shape
+from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths, run_schedule
 
 torch.set_num_threads(1)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -243,7 +243,7 @@ def test_cache_layouts(module, monkeypatch, layout):
 
 def test_mixed_query_step_and_out_dtypes(module):
     """bf16 queries with fp32 step rows (computed in fp32) written into an fp16 out."""
-    out, want = schedule.mixed_dtypes_step(cpu_ext.attend)
+    out, want = kernel_checks.mixed_dtypes_step(cpu_ext.attend)
     torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
@@ -255,7 +255,7 @@ def test_bf16_prefill_tiles_take_bf16_products(module, isa, head_size):
     the AVX-512 kernel's fp32 products on the same tile."""
     if "avx512bf16" not in module.supported_isas():
         pytest.skip("this CPU has no AVX-512 BF16")
-    args, want = schedule.bf16_prefill_step(head_size)
+    args, want = kernel_checks.bf16_prefill_step(head_size)
     outs = {}
     for each in ("avx512bf16", "avx512"):
         isa(each)
@@ -281,7 +281,7 @@ def test_library_products_equal_the_reference(module, gemm, head_size):
     odd head sizes included, and stay within bf16 tolerance of the
     reference; few-row tiles (decodes) keep the register tiles; `tiles`
     takes none."""
-    args, want = schedule.bf16_prefill_step(head_size)
+    args, want = kernel_checks.bf16_prefill_step(head_size)
     for mode, block_m, takes in (("library", 10, True), ("library", 1, False), ("tiles", 10, False)):
         gemm(mode)
         out = torch.full(args[0].shape, float("nan"))
@@ -295,7 +295,7 @@ def test_auto_takes_the_matrix_units_where_they_are(module, gemm):
     """`auto` (the default) sends multi-token bf16 tiles to the library GEMM
     exactly where oneDNN packs for matrix units (AMX), and says so."""
     gemm("auto")
-    args, _ = schedule.bf16_prefill_step(64)
+    args, _ = kernel_checks.bf16_prefill_step(64)
     before = module.library_tiles()
     cpu_ext.attend(*args, out=torch.empty(args[0].shape), block_m=10)
     assert (module.library_tiles() > before) == module.matrix_units()
@@ -326,7 +326,7 @@ def test_bf16_tiles_take_bf16_value_pairs(module, isa, head_size, block_m):
     the AVX-512 kernel takes no pairs on the same tile."""
     if "avx512bf16" not in module.supported_isas():
         pytest.skip("this CPU has no AVX-512 BF16")
-    args, want = schedule.bf16_prefill_step(head_size)
+    args, want = kernel_checks.bf16_prefill_step(head_size)
     for each, takes_pairs in (("avx512bf16", True), ("avx512", False)):
         isa(each)
         out = torch.full(args[0].shape, float("nan"))

@@ -54,9 +54,9 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.kernels import cuda_ext
 
-from . import schedule
-from .schedule import (CACHE_LAYOUTS, CONFIGS, KERNEL_SHAPES, LOGIT_OPTIONS, LOGIT_SHAPES, kernel_lengths,
-                       run_cache_layout, run_logit_shape, run_schedule, run_shape)
+from . import kernel_checks
+from .kernel_checks import CACHE_LAYOUTS, KERNEL_SHAPES, LOGIT_SHAPES, run_cache_layout, run_logit_shape, run_shape
+from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths, run_schedule
 
 CSRC = Path(cuda_ext.SOURCES_DIR)
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
@@ -322,7 +322,7 @@ def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):
 
 def test_emulated_mixed_query_step_and_out_dtypes(emulated):
     """bf16 queries with fp32 step rows (computed in fp32) written into an fp16 out."""
-    out, want = schedule.mixed_dtypes_step(cuda_ext.attend)
+    out, want = kernel_checks.mixed_dtypes_step(cuda_ext.attend)
     torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
