@@ -116,3 +116,14 @@ def test_check_reports_a_stale_card_and_writes_nothing(tmp_path, capsys):
     assert report.main(["--card", str(tmp_path)]) == 0
     assert (tmp_path / "ADAPT.md").read_text() == (ADAPTER / "ADAPT.md").read_text()
     assert report.main(["--card", str(tmp_path), "--check"]) == 0
+
+
+def test_the_card_fetches_the_base_model_served_json_names(tmp_path):
+    """The runs' commands start from the base model `served.json` names (`model`), not a fixed one."""
+    for name in report.CARD_INPUTS:
+        (tmp_path / name).write_bytes((ADAPTER / name).read_bytes())
+    served = {**SERVED, "model": "gemma3-270m"}
+    (tmp_path / "served.json").write_text(json.dumps(served))
+    card = report.render_card(tmp_path)
+    assert "B=$(vllm-chunked-kv models fetch gemma3-270m | tail -1)" in card.splitlines()
+    assert "B=$(vllm-chunked-kv models fetch smollm2-135m | tail -1)" not in card.splitlines()

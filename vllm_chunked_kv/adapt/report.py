@@ -155,14 +155,14 @@ def _commands(served: dict) -> list[str]:
                                          for (cmd, result), n in names.items()]
 
 
-def _runs(runs: list[dict]) -> list[str]:
+def _runs(runs: list[dict], model: str) -> list[str]:
     out = ["| run | device | steps | rows a step | minutes | peak memory | record |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, run in enumerate(runs, 1):
         peak = f"{run['peak_gib']:.1f} GiB" if "peak_gib" in run else ""
         out.append(f"| {i} | {run['device']} | {run['steps']} | {run['rows']} | {run['minutes']:.1f} | {peak} "
                    f"| `{run['record']}` |")
-    out += ["", "```", "B=$(vllm-chunked-kv models fetch smollm2-135m | tail -1)"]
+    out += ["", "```", f"B=$(vllm-chunked-kv models fetch {model} | tail -1)"]
     for i, run in enumerate(runs, 1):
         out += [f"# {i}. {run['device']}, {run['minutes']:.1f} min", run["command"]]
     return out + ["```"]
@@ -213,7 +213,7 @@ def render_card(adapter_dir: Path) -> str:
         *_commands(served), "",
         "## How it was made", "",
         f"Made by {len(served['runs'])} `vllm-chunked-kv adapt` runs in a row:", "",
-        *_runs(served["runs"]), "",
+        *_runs(served["runs"], served["model"]), "",
         *[f"- {note}" for note in served["notes"]], "",
         "## The last run", "",
         *_last_run(meta, log),
