@@ -73,8 +73,10 @@ class _ChunkedKVFields(BaseModel):
     stagger: Literal["none", "heads", "layers"] | list[list[int]] = "none"
     """Per-KV-head grid origins (docs/design.md §10), n = stagger_groups: 'none'
     (all 0), 'heads' (KV head h, counted globally, at (h mod n) * hop / n),
-    'layers' (head h of layer l at (l + (h mod n) * hop / n) mod hop), or a
-    per-layer list of per-KV-head origins, each in [0, hop)."""
+    'layers' (head h of layer l at (l + (h mod n) * hop / n) mod hop; l counts
+    every layer, so a hybrid's compressed layers may share grids: Gemma 3's
+    global layers 5, 11 and 17 get 1, 3 and 1), or a per-layer list of
+    per-KV-head origins, each in [0, hop)."""
 
     stagger_groups: int = Field(default=2, ge=1)
     """Number of distinct origins for stagger 'heads' or 'layers'; must divide hop."""
