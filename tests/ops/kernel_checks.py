@@ -32,8 +32,8 @@ KERNEL_SHAPES = [
 ]
 
 
-# The kernels' shapes checked with each of `schedule.LOGIT_OPTIONS`: a split context (the sink in split 0's softmax only), query
-# tiles, bf16.
+# The kernels' shapes checked with each of `schedule.LOGIT_OPTIONS`: a split
+# context (the sink in split 0's softmax only), query tiles, bf16.
 LOGIT_SHAPES = {
     "boundary-gated": {},
     "stagger-heads": dict(attend_kwargs=dict(num_splits=3, block_m=5)),
