@@ -15,7 +15,7 @@
 - pytest-xdist groups (`--dist loadgroup`): a test file is one group (its
   module fixtures are built once) unless its tests name their own
   `xdist_group`; groups with slow tests are sent first, so the longest ones
-  do not start last.
+  do not start last; a run whose ids carry no group is refused.
 """
 
 from __future__ import annotations
@@ -71,6 +71,21 @@ def pytest_collection_modifyitems(config, items):
     group = {item: item.get_closest_marker("xdist_group").args[0] for item in items}
     slow_groups = {group[item] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: group[item] not in slow_groups)  # stable: files keep their order
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under `--dist loadgroup`, refuse a run whose groups did not reach the scheduler.
+
+    pytest-xdist sends a group to one worker only when its items' ids end in
+    `@group` (its worker adds the suffix); with a pytest it cannot suffix
+    (9.2 with xdist 3.8) the run goes on spread over both workers, every module
+    fixture built twice, minutes later and with no error."""
+    if node.config.getoption("dist") == "loadgroup":
+        plain = [nodeid for nodeid in ids if "@" not in nodeid.rsplit("]", 1)[-1]]
+        if plain:
+            pytest.exit(f"--dist loadgroup: {len(plain)} tests have no xdist group in their id (e.g. {plain[0]}); "
+                        f"pytest {pytest.__version__} with this pytest-xdist cannot group "
+                        "(pyproject.toml pins a pytest that can)", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(scope="session")
