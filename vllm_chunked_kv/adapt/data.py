@@ -113,22 +113,22 @@ def retrieval_row(tokenizer, rng: random.Random, length: int, min_distance: int 
     `questions[0]` and `questions[1]` of them; a hard row (one phrasing, a recent
     unasked fact) with probability `distractors`."""
     hard = distractors > 0 and rng.random() < distractors  # no draw at 0: rows of earlier recipes unchanged
-    facts = prose_codes.training_facts(rng, rng.randint(*facts), same_phrasing=hard)
-    asked = rng.sample(range(len(facts)), k=min(len(facts) - hard, rng.randint(*questions)))
-    questions = [prose_codes.question_text(facts[i]) for i in asked]
-    question_ids = [(encode(tokenizer, q), encode(tokenizer, a)) for q, a in questions]
+    drawn = prose_codes.training_facts(rng, rng.randint(*facts), same_phrasing=hard)
+    asked = rng.sample(range(len(drawn)), k=min(len(drawn) - hard, rng.randint(*questions)))
+    question_ids = [(encode(tokenizer, q), encode(tokenizer, a))
+                    for q, a in (prose_codes.question_text(drawn[i]) for i in asked)]
     tail = sum(len(q) + len(a) for q, a in question_ids)
-    records = [encode(tokenizer, " " + f.record) for f in facts]
+    records = [encode(tokenizer, " " + f.record) for f in drawn]
     body = length - tail  # tokens before the first question
     # Asked facts go early enough to be beyond the window; others anywhere in the body.
     latest_old = body - min_distance - max(len(r) for r in records)
     if latest_old < 8:
         raise ValueError(f"length {length} is too short for facts {min_distance} tokens before the questions")
     recent = rng.random() < 0.25  # sometimes one asked fact is recent (read exactly from the window)
-    old = [i in asked and not (recent and i == asked[-1]) for i in range(len(facts))]
-    late = [False] * len(facts)
+    old = [i in asked and not (recent and i == asked[-1]) for i in range(len(drawn))]
+    late = [False] * len(drawn)
     if hard:  # the distractor: an unasked fact after the asked ones
-        late[rng.choice([i for i in range(len(facts)) if i not in asked])] = True
+        late[rng.choice([i for i in range(len(drawn)) if i not in asked])] = True
     starts = _place(rng, records, old, latest_old, body, late)
     ids = _filler(tokenizer, rng, body)
     targets = [IGNORE] * body  # aligned with ids: the token to predict there, at answer tokens only
