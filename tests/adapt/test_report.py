@@ -8,6 +8,8 @@
 - every figure of served.json is its result file's, rounded (served.json
   invents nothing), and every run's record folder exists;
 - `--check` says whether a card is up to date, without writing it.
+- The ADAPT.md that `adapt` writes for a run resumed across processes gives
+  the whole run's training time and peak memory, not only its last process's.
 """
 
 from __future__ import annotations
@@ -127,3 +129,17 @@ def test_the_card_fetches_the_base_model_served_json_names(tmp_path):
     card = report.render_card(tmp_path)
     assert "B=$(vllm-chunked-kv models fetch gemma3-270m | tail -1)" in card.splitlines()
     assert "B=$(vllm-chunked-kv models fetch smollm2-135m | tail -1)" not in card.splitlines()
+
+
+def test_a_resumed_run_reports_the_time_of_all_its_processes(tmp_path):
+    from vllm_chunked_kv.adapt import train
+    from vllm_chunked_kv.core.config import ChunkedKVConfig
+
+    log = tmp_path / "train_log.jsonl"
+    steps = [(1, None), (2, 600.0), (3, 1200.0), (3, 660.0), (4, 1260.0)]  # no clock yet, then two processes
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0, "kl": 0.5, "ce": 0.5,
+                                       **({"seconds": t, "peak_gib": 3.0} if t else {})}) + "\n" for s, t in steps))
+    cfg = ChunkedKVConfig(chunk_size=4, window=16)
+    card = report.write_report(tmp_path, ["adapt", "M"], cfg, train.AdaptOptions(), 1260.0, log).read_text()
+    assert ("- the whole run, resumed in 2 processes: 41.0 min of training, peak resident memory 3.0 GiB "
+            "(not counted: 1 steps logged without a clock)") in card

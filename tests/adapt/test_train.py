@@ -29,9 +29,13 @@
   CPU; a GPU asked for where there is none, or a device that is neither, is
   refused by name before the model is touched. On a GPU (skipped elsewhere)
   the adapters train there and the saved state comes back to the CPU.
+- Cost: every logged step carries its process's clock and peak memory, so a
+  run resumed across processes adds up to what it cost (`process_totals`).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -207,3 +211,24 @@ def test_gains_per_layer_train_apart_and_are_served_per_layer(byte_tokenizer, tm
     with pytest.raises(ValueError, match=rf"learned gains of shape \[{layers}, 4\]"):
         train.train(tiny_byte_llama(), byte_tokenizer, CFG, train.AdaptOptions(steps=7, learn_gains=True, **OPTS),
                     tmp_path / "per", log=lambda m: None)  # a per-layer checkpoint, resumed with one set
+
+
+def test_process_totals_add_the_processes_of_a_resumed_run():
+    """Each record carries its process's clock and peak memory; a resumed run's cost is the sum of
+    every process's last clock (a clock that goes back is a new process) and the largest peak."""
+    log = [{"step": 1, "seconds": 10.0, "peak_gib": 1.0}, {"step": 2, "seconds": 20.0, "peak_gib": 1.5},
+           {"step": 2, "seconds": 12.0, "peak_gib": 2.5}, {"step": 3, "seconds": 25.0, "peak_gib": 2.5},
+           {"step": 4, "seconds": 5.0, "peak_gib": 0.5}]
+    assert train.process_totals(log) == (50.0, 2.5, 3)
+    assert train.process_totals([{"step": 1}]) == (0, 0.0, 0)  # logs written before the clock was logged
+
+
+def test_records_carry_the_process_clock_and_memory(byte_tokenizer, tmp_path):
+    opts = train.AdaptOptions(steps=3, lr=5e-3, warmup=1, **OPTS)
+    train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None, stop_after=2)
+    train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    assert log[0]["seconds"] < log[1]["seconds"] and log[2]["seconds"] < log[1]["seconds"]  # a new process's clock
+    seconds, peak, processes = train.process_totals(log)
+    assert processes == 2 and seconds == log[1]["seconds"] + log[2]["seconds"] and peak > 0.1

@@ -6,7 +6,6 @@ import json
 from dataclasses import asdict
 import platform
 import re
-import resource
 import shlex
 import sys
 from pathlib import Path
@@ -42,11 +41,6 @@ def progress_printer(total: int, stream=None):
     return log
 
 
-def peak_rss_gib() -> float:
-    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def where_trained(opts) -> str:
     """The GPU's name, or the CPU threads and processor, that `opts` trains on."""
     dev = train.device(opts)
@@ -77,10 +71,16 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         f"- options: `{json.dumps(asdict(opts))}`",
         f"- time of this run: {seconds / 60:.1f} min in {train.precision(opts)} on {where_trained(opts)}, "
         f"torch {torch.__version__}; steps logged: {len(records)}; "
-        f"peak resident memory {peak_rss_gib():.1f} GiB",
+        f"peak resident memory {train.peak_rss_gib():.1f} GiB",
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "
         f"last 10 steps {mean(last, 'loss'):.3f} (CE {mean(last, 'ce'):.3f})",
     ]
+    total, peak, processes = train.process_totals(records)
+    if processes > 1:  # resumed: the cost of the whole run, not of its last process
+        untimed = sum("seconds" not in r for r in records)
+        lines.append(f"- the whole run, resumed in {processes} processes: {total / 60:.1f} min of training, peak "
+                     f"resident memory {peak:.1f} GiB" + (f" (not counted: {untimed} steps logged without a clock)"
+                                                          if untimed else ""))
     if probes:
         lines.append("- in-training retrieval probe (chunked, teacher-forced, "
                      f"{opts.eval_prompts} prompts): " + ", ".join(f"step {s}: {a:.0%}" for s, a in probes))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -203,6 +204,19 @@ def _load_checkpoint(path: Path, adapters, gains, optimizer) -> int:
     return int(state["step"])
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def process_totals(records: list[dict]) -> tuple[float, float, int]:
+    """(seconds, peak GiB, processes) of a run resumed across processes, from its log's records
+    that carry `seconds` (each process's own clock, restarting at a resume) and `peak_gib`."""
+    timed = [r for r in records if "seconds" in r]
+    ends = [a for a, b in zip(timed, timed[1:] + [None]) if b is None or b["seconds"] < a["seconds"]]
+    return sum(r["seconds"] for r in ends), max((r["peak_gib"] for r in timed), default=0.0), len(ends)
+
+
 def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None,
           stop_after: int | None = None) -> Adapted:
     """Adapt `model` (fp32, transformers Llama-like) in place, on `opts.device` (the model
@@ -264,7 +278,9 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             optimizer.zero_grad(set_to_none=True)
             done += 1
             rate = done / (time.perf_counter() - began)
-            record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts), "steps_per_s": rate}
+            record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts),
+                      "steps_per_s": rate, "seconds": round(time.perf_counter() - began, 1),  # of this process
+                      "peak_gib": round(peak_rss_gib(), 2)}
             if gains is not None:
                 record["slot_gains"] = gain_weights(gains)
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
