@@ -14,7 +14,9 @@ both.
         --window 512 --per-phase 128 --json results/adapt_scan.json
 
 `--context N` uses the long prompts of `vllm-chunked-kv demo --context N`
-instead (a hybrid model's facts beyond its sliding window too).
+instead (a hybrid model's facts beyond its sliding window too). A long scan
+cut off goes on where it stopped with the same command and `--out DIR
+--resume`.
 
 Prints one JSON object (accuracy with its Wilson interval, accuracy by phase, phase gap,
 where the needles were placed, how far back, the misses that were the
@@ -121,11 +123,11 @@ def served_dtype(dtype: str | None) -> str:
 
 
 def measure(model: Path, window: int, per_phase: int, default_backend: bool, out: Path, dtype: str | None = None,
-            context: int | None = None, kv_cache_dtype: str = "auto") -> dict:
+            context: int | None = None, kv_cache_dtype: str = "auto", resume: bool = False) -> dict:
     settings = None if default_backend else read_serve_settings(model)
     started = time.monotonic()
     summary = real_model.scan_mode(model, settings, per_phase, out, window=window, dtype=dtype, context=context,
-                                   kv_cache_dtype=kv_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, fresh=not resume)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     needle = summary["results"]["needle"]
     correct = sum(r["correct"] for r in records)
@@ -148,7 +150,8 @@ def measure(model: Path, window: int, per_phase: int, default_backend: bool, out
         "needles": len(hits),  # distinct facts: each is asked at every phase
         "misses_reordered": sum(reordered(r["answer"], r["completion"]) for r in misses),
         "swaps_by_pair_phase": swaps_by_pair_phase(records, lines, model, len(needle["by_phase"])),  # one group a phase
-        "seconds": round(time.monotonic() - started),
+        "seconds": round(time.monotonic() - started),  # of this run; a resumed one's earlier answers not counted
+        "resumed": summary["resumed"], "sent": summary["sent"],  # answers kept from --out, and asked now
     }
 
 
@@ -167,10 +170,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="serving dtype (default: real_model.SERVE_DEFAULTS's bfloat16; float32 on a CPU without native bf16)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (fp8: FP8 pages)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the answers already in --out (a scan cut off, same settings) and ask only the rest")
     args = parser.parse_args()
+    if args.resume and not args.out:
+        parser.error("--resume needs --out (the directory of the scan to go on with)")
     out = args.out or Path(tempfile.mkdtemp(prefix="adapt-scan-"))
     result = measure(args.model, args.window, args.per_phase, args.default_backend, out, args.dtype, args.context,
-                     args.kv_cache_dtype)
+                     args.kv_cache_dtype, args.resume)
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

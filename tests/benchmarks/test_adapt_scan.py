@@ -5,7 +5,8 @@
   task with the needles placed beyond the requested window: every needle's
   distance is at least that window plus a chunk, and a longer window gives
   longer prompts with the needles further back; `context` asks for the long
-  prompts of `demo --context` instead.
+  prompts of `demo --context` instead; `resume` goes on with a scan cut off,
+  asking only the probes its `out` has no answer for.
 - The result counts every probe, its Wilson interval contains the accuracy,
   its phases (0..hop-1) add up to the probes and the correct ones, and the
   distractor misses and the reordered misses are subsets of the misses.
@@ -113,6 +114,12 @@ def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, 
         assert sum(g["n"] for g in phases.values()) == result["probes"]
         assert sum(g["correct"] for g in phases.values()) == result["correct"]
     assert far["prompt_tokens"][0] > near["prompt_tokens"][1] and far["distance"][0] > near["distance"][0]
+    assert (near["resumed"], near["sent"]) == (0, 16)
+    # a scan cut off after 10 answers goes on with the 6 it had not asked
+    records = (tmp_path / "near" / "records.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "near" / "records.jsonl").write_text("".join(records[:10]))
+    resumed = bench.measure(adapted_dir, 128, 4, False, tmp_path / "near", resume=True)
+    assert (resumed["resumed"], resumed["sent"], resumed["probes"]) == (10, 6, 16)
 
 
 def test_long_prompts_go_to_the_scan(bench, adapted_dir, tmp_path, monkeypatch):

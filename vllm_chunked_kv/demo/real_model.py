@@ -82,7 +82,7 @@ def placement(context: int | None) -> tuple[str, int]:
 
 def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
               window: int = CHUNKED["window"], dtype: str | None = None, context: int | None = None,
-              kv_cache_dtype: str = "auto") -> dict:
+              kv_cache_dtype: str = "auto", fresh: bool = True) -> dict:
     """Serve `model` in `settings` and run the scanner's needle probe against it; its summary.
 
     The needles are placed for `window` (the table's, `CHUNKED`), not for
@@ -93,6 +93,8 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
     (512: ~750-token prompts, needles 517-730 tokens before the question).
     With `context`, prompts are about that long instead (`placement`) and
     `window` is ignored. `kv_cache_dtype` is vLLM's `--kv-cache-dtype` (fp8: FP8 pages).
+    `fresh=False` keeps the answers already in `out` (a scan cut off, same settings)
+    and asks only the rest.
     """
     from vllm_chunked_kv.scan import cli as scan_cli
     from vllm_chunked_kv.scan.session import scan
@@ -110,8 +112,8 @@ def scan_mode(model: Path, settings: dict | None, per_phase: int, out: Path,
             "--base-url", server.base_url, "--task", str(TASK_FILE), "--probe", "needle", "--hop", "4",
             "--per-phase", str(per_phase), "--needle-range", needles, "--window", str(window),
             "--max-tokens", "6",
-            "--out", str(out), "--fresh", "--no-progress", "--concurrency", "16", "--timeout", "3600",
-        ])
+            "--out", str(out), "--no-progress", "--concurrency", "16", "--timeout", "3600",
+        ] + ["--fresh"] * fresh)
         return asyncio.run(scan(args))
 
 
