@@ -1,11 +1,12 @@
 """Session fixtures of the model tests: one cache directory, and SmolLM2-135M
-fetched into it once per session.
+and Gemma 3 270M fetched into it once per run.
 
 The cache is `$CHUNKED_KV_CACHE` when set, so a developer's cache is
 reused (no download, no conversion); otherwise a fresh temporary directory,
 shared by all pytest-xdist workers of the run, and the first test that needs
-the model downloads it (93 MB) and converts it (about 20 s). Two workers that
-fetch at once both build, and the first to publish wins (`models.cache`).
+a model downloads and converts it (SmolLM2: 93 MB, about 20 s). A worker
+that asks for a model while the other builds it waits on the model's lock
+(`models.cache.exclusive`) and then finds it built.
 """
 
 from __future__ import annotations

@@ -101,6 +101,6 @@ def install(monkeypatch, tmp_path) -> types.SimpleNamespace:
 
 
 def leftovers(cache_dir: Path) -> list[str]:
-    """Names under <cache>/models (model directories and any staging directory)."""
+    """Names under <cache>/models (model directories and any staging directory; not the lock files)."""
     models = cache_dir / "models"
-    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+    return sorted(p.name for p in models.iterdir() if p.suffix != ".lock") if models.exists() else []

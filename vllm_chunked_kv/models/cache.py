@@ -2,6 +2,7 @@
 
     <cache>/models/<name>            a complete model directory, or nothing
     <cache>/models/.<name>.*.partial a fetch in progress (never accepted)
+    <cache>/models/.<name>.lock      held while a fetch checks and builds <name>
 
 `<cache>` is `$CHUNKED_KV_CACHE`, else `~/.cache/vllm-chunked-kv`
 (`$VLLM_CHUNKED_KV_CACHE`, its former name, is still read, but vLLM warns
@@ -9,12 +10,15 @@ about every `VLLM_*` variable it does not know, at every start). A
 fetch builds everything inside its own `.partial` sibling and renames the
 finished directory into place, so an interrupted run leaves no directory a
 later call would accept (a killed one may leave a `.partial` behind, which
-is safe to delete).
+is safe to delete). Two fetches of one model at once (two servers starting,
+two test workers) take turns on its lock: the second finds the first's
+directory instead of downloading and converting it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -46,6 +50,20 @@ def model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
 def is_complete(path: Path) -> bool:
     """A published directory (only complete ones are ever renamed into place)."""
     return (path / COMPLETE_MARKER).is_file()
+
+
+@contextlib.contextmanager
+def exclusive(target: Path) -> Iterator[None]:
+    """Hold `target`'s lock file (`.<name>.lock` beside it) for the block; a process
+    holding it already makes this wait. The file stays: removing it would let a third
+    fetch lock a new file while a second still waits on the old one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -48,8 +48,10 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, adapted: bool =
     say = progress or (lambda line: None)
     try:
         if adapted:
-            return _fetch_adapted(spec, cache_dir, force, say)
-        return _fetch_base(spec, cache_dir, force, say)
+            with cache.exclusive(cache.model_dir(spec.adapted_name, cache_dir)):
+                return _fetch_adapted(spec, cache_dir, force, say)
+        with cache.exclusive(cache.model_dir(spec.name, cache_dir)):
+            return _fetch_base(spec, cache_dir, force, say)
     except OSError as exc:
         raise ModelFetchError(_os_error_line(name, exc)) from None
 
@@ -118,7 +120,8 @@ def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Pa
         from vllm_chunked_kv.models.merge import merge_adapter
     except ImportError as exc:
         raise ModelFetchError(f"cannot merge the {spec.name} adapter: {exc}") from None
-    base = _fetch_base(spec, cache_dir, False, say)
+    with cache.exclusive(cache.model_dir(spec.name, cache_dir)):  # always after the adapted one's: no deadlock
+        base = _fetch_base(spec, cache_dir, False, say)
     with cache.staging(target) as work:
         say(f"merging the {spec.name} adapter into the base weights")
         built = work / "out"
