@@ -1,4 +1,4 @@
-"""The shipped adapter's card, `models/adapters/smollm2-135m/ADAPT.md`, is rendered from the files beside it.
+"""Each shipped adapter's card, `models/adapters/<model>/ADAPT.md`, is rendered from the files beside it.
 
 - ADAPT.md is exactly what `render_card` makes now of adapter.json, train_log.jsonl,
   served.json and chunked_kv_serve.json, so the page cannot drift from them
@@ -6,7 +6,9 @@
 - every figure of served.json appears in it, each retrieval figure with its
   interval and sample count;
 - every figure of served.json is its result file's, rounded (served.json
-  invents nothing), and every run's record folder exists;
+  invents nothing), its needles placed as the row's command says, and every
+  run's record folder exists;
+- every shipped adapter has its card (a served.json beside it);
 - `--check` says whether a card is up to date, without writing it.
 - The ADAPT.md that `adapt` writes for a run resumed across processes gives
   the whole run's training time and peak memory, not only its last process's.
@@ -22,8 +24,17 @@ import pytest
 from vllm_chunked_kv.adapt import report
 
 ROOT = Path(__file__).resolve().parents[2]
-ADAPTER = ROOT / "vllm_chunked_kv" / "models" / "adapters" / "smollm2-135m"
+ADAPTERS = sorted(p.parent for p in (ROOT / "vllm_chunked_kv" / "models" / "adapters").glob("*/served.json"))
+ADAPTER = ADAPTERS[0]  # the card renderer's own checks use one of them
 SERVED = json.loads((ADAPTER / "served.json").read_text())
+each_adapter = pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda p: p.name)
+
+
+def served(adapter: Path) -> dict:
+    return json.loads((adapter / "served.json").read_text())
+
+
+ROWS = [(adapter, row) for adapter in ADAPTERS for row in served(adapter)["retrieval"]]
 
 
 def numbers(node):
@@ -47,25 +58,31 @@ def shown(value) -> set[str]:
     return {str(value), f"{value:.1f}", f"{value:.2f}", f"{value:.3f}"} - {f"{value:.0f}"}
 
 
-def test_the_shipped_card_is_what_the_generator_renders_now():
-    assert (ADAPTER / "ADAPT.md").read_text() == report.render_card(ADAPTER), (
-        "ADAPT.md is out of date: run `python -m vllm_chunked_kv.adapt.report --card "
-        "vllm_chunked_kv/models/adapters/smollm2-135m`")
+def test_every_shipped_adapter_has_a_card():
+    shipped = sorted(p.parent for p in (ROOT / "vllm_chunked_kv" / "models" / "adapters").glob("*/adapter.json"))
+    assert shipped and ADAPTERS == shipped
 
 
-def test_every_served_figure_appears_on_the_card():
-    card = (ADAPTER / "ADAPT.md").read_text()
-    figures = list(numbers(SERVED["retrieval"])) + list(numbers(SERVED["perplexity"])) + list(numbers(SERVED["runs"]))
+@each_adapter
+def test_the_shipped_card_is_what_the_generator_renders_now(adapter):
+    assert (adapter / "ADAPT.md").read_text() == report.render_card(adapter), (
+        f"ADAPT.md is out of date: run `python -m vllm_chunked_kv.adapt.report --card {adapter.relative_to(ROOT)}`")
+
+
+@each_adapter
+def test_every_served_figure_appears_on_the_card(adapter):
+    card, figures_of = (adapter / "ADAPT.md").read_text(), served(adapter)
+    figures = [v for key in ("retrieval", "perplexity", "runs") for v in numbers(figures_of[key])]
     assert len(figures) > 40
     missing = [v for v in figures if not any(s in card for s in shown(v))]
     assert not missing, missing
-    for row in SERVED["retrieval"]:
+    for row in figures_of["retrieval"]:
         assert f"{row['percent']:.1f} [{row['ci'][0]:.1f}, {row['ci'][1]:.1f}] | {row['n']:,} |" in card, row["name"]
         assert f"{row['gap']:.1f} [{row['gap_ci'][0]:.1f}, {row['gap_ci'][1]:.1f}]" in card, row["name"]
         assert row["command"] in card and row["result"] in card
     for key in ("base_full_attention", "chunked", "default_backend"):
-        assert SERVED["perplexity"][key]["command"] in card and SERVED["perplexity"][key]["result"] in card
-    for run in SERVED["runs"]:
+        assert figures_of["perplexity"][key]["command"] in card and figures_of["perplexity"][key]["result"] in card
+    for run in figures_of["runs"]:
         assert run["command"] in card and run["record"] in card
 
 
@@ -73,8 +90,8 @@ def _pct(x: float) -> float:
     return round(100 * x, 1)
 
 
-@pytest.mark.parametrize("row", SERVED["retrieval"], ids=lambda r: r["name"])
-def test_retrieval_figures_are_their_result_files(row):
+@pytest.mark.parametrize("adapter, row", ROWS, ids=lambda x: x.name if isinstance(x, Path) else x["name"])
+def test_retrieval_figures_are_their_result_files(adapter, row):
     scan = json.loads((ROOT / row["result"]).read_text())
     assert row["percent"] == _pct(scan["accuracy"]) and row["n"] == scan["probes"]
     assert row["ci"] == [_pct(c) for c in scan["accuracy_ci"]]
@@ -82,12 +99,18 @@ def test_retrieval_figures_are_their_result_files(row):
     assert row["by_phase"] == [_pct(scan["by_phase"][str(p)]["accuracy"]) for p in range(4)]
     assert row["misses"] == scan["probes"] - scan["correct"]
     assert (row["reordered"], row["distractor"]) == (scan["misses_reordered"], scan["misses_distractor"])
-    assert scan["window"] == (512 if row["needle_back"] == "517-714" else 128)  # needles placed beyond that window
-    assert (scan["served"] == "default backend") == (row["name"] == "default backend")
+    # the needles were placed as the row's command says: for --context prompts, or beyond --window (default 128)
+    if scan.get("context"):
+        assert f"--context {scan['context']}" in row["command"]
+    else:
+        window = scan["window"]
+        assert f"--window {window}" in row["command"] or (window == 128 and "--window" not in row["command"])
+    assert (scan["served"] == "default backend") == ("default backend" in row["serving"])
 
 
-def test_perplexity_figures_are_their_result_files():
-    ppl = SERVED["perplexity"]
+@each_adapter
+def test_perplexity_figures_are_their_result_files(adapter):
+    ppl = served(adapter)["perplexity"]
 
     def mode(fig, name):
         rows = json.loads((ROOT / fig["result"]).read_text())["rows"]
@@ -104,10 +127,12 @@ def test_perplexity_figures_are_their_result_files():
     assert ppl["far_repeat_tokens"] == chunked["ppl_by_repeat"]["far"]["tokens"]
 
 
-def test_every_run_has_its_record():
-    for run in SERVED["runs"]:
+@each_adapter
+def test_every_run_has_its_record(adapter):
+    runs = served(adapter)["runs"]
+    for run in runs:
         assert (ROOT / run["record"]).is_dir(), run["record"]
-    assert SERVED["runs"][-1]["steps"] == json.loads((ADAPTER / "adapter.json").read_text())["options"]["steps"]
+    assert runs[-1]["steps"] == json.loads((adapter / "adapter.json").read_text())["options"]["steps"]
 
 
 def test_check_reports_a_stale_card_and_writes_nothing(tmp_path, capsys):
