@@ -1,6 +1,7 @@
 """A wheel built from this checkout carries what a non-editable install needs:
-the three shipped demo models (weights, tokenizer, configs), the SmolLM2
-adapter that `models fetch --adapted` merges, the prose-codes scanner task and
+the three shipped demo models (weights, tokenizer, configs), every file of
+every adapter that `models fetch --adapted` merges (with the terms of a base
+model whose derivative it is), the prose-codes scanner task and
 the scanner's example task,
 and the CUDA and C++ CPU sources and headers, every file of every csrc/ folder
 (``common/``, ``cpu/``, ``cuda/``), installed where `ops/kernels/cuda_ext.py`
@@ -29,8 +30,13 @@ def test_wheel_carries_models_and_cuda_sources(tmp_path):
             assert f"vllm_chunked_kv/demo/{model}/{name}" in names
     from vllm_chunked_kv.models.fetcher import ADAPTER_FILES
 
-    for name in ADAPTER_FILES:
-        assert f"vllm_chunked_kv/models/adapters/smollm2-135m/{name}" in names
+    adapters = sorted(p.parent for p in (ROOT / "vllm_chunked_kv" / "models" / "adapters").glob("*/adapter.json"))
+    assert adapters
+    for adapter in adapters:  # each with all its files: the adapter, its card, and a base model's terms it carries
+        shipped = {p.name for p in adapter.iterdir() if p.is_file()}
+        assert set(ADAPTER_FILES) <= shipped
+        for name in shipped:
+            assert f"vllm_chunked_kv/models/adapters/{adapter.name}/{name}" in names, name
     assert "vllm_chunked_kv/tasks/data/prose_codes.jsonl" in names
     assert "vllm_chunked_kv/scan/examples/secret_codes.jsonl" in names
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
