@@ -18,6 +18,17 @@ default retention, more with an interval; docs/prefix-caching.md), and the
 theory of those rows adds them (`kept_tail_rows`).
 
     python benchmarks/capacity.py --chunk-size 4 --window 128 --max-model-len 8192
+
+`--as-served` measures a model directory as its `chunked_kv_serve.json`
+serves it (`--attention-backend chunked_kv` alone, prefix caching on, as a
+user starts it) instead of the mitigations, e.g. a shipped adapted model:
+
+    python benchmarks/capacity.py --model $(vllm-chunked-kv models fetch gemma3-270m --adapted | tail -1) \
+        --as-served --max-model-len 32768 --json results/capacity.json
+
+Its theory is left out for a hybrid model (its sliding layers keep a window
+per request on both backends; tests/models/test_gemma3_vllm.py has that
+theory).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from pathlib import Path
 
 from vllm_chunked_kv.core import layout
 from vllm_chunked_kv.core.config import ChunkedKVConfig
+from vllm_chunked_kv.core.serve_file import read_serve_config
 from vllm_chunked_kv.backend.raw_cache import kept_tail_rows
 from vllm_chunked_kv.runner.engine import generate
 
@@ -67,6 +79,19 @@ def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: in
     return max_model_len / float(rows)
 
 
+def as_served(model: Path, engine: dict, default: int, max_model_len: int, num_kv_heads: int) -> dict:
+    """The row of `model` served by its own `chunked_kv_serve.json` (no --additional-config)."""
+    cfg = read_serve_config(model)
+    tokens = capacity_tokens(model, {**engine, "attention_backend": "chunked_kv"})
+    config = json.loads((model / "config.json").read_text())
+    hybrid = "sliding_attention" in (config.get("layer_types") or [])
+    block_size = engine.get("block_size") or layout.default_block_size(cfg)
+    kept = kept_tail_rows(cfg, block_size, engine["max_num_batched_tokens"], 0)  # prefix caching on, as served
+    ideal = None if hybrid else theoretical_ratio(cfg, max_model_len, num_kv_heads, kept, block_size)
+    return dict(backend="as served", prefix_caching="on", tokens=tokens, ratio=tokens / default, theoretical=ideal,
+                fraction=None if ideal is None else tokens / default / ideal, settings=cfg.describe())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: the benchmark Llama, built in a temp dir)")
@@ -78,8 +103,12 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--retention", type=int, default=0,
                         help="vLLM's --prefix-cache-retention-interval for the runs with prefix caching on")
+    parser.add_argument("--as-served", action="store_true",
+                        help="measure --model as its chunked_kv_serve.json serves it, not the mitigations")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.as_served and not args.model:
+        parser.error("--as-served needs --model (a directory with chunked_kv_serve.json)")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_bench_model(Path(tmp) / "bench-llama", layers=2)
@@ -90,7 +119,9 @@ def main() -> None:
             engine["block_size"] = args.block_size
         default = capacity_tokens(model, engine)
         rows = [dict(backend="default", prefix_caching="any", tokens=default, ratio=1.0, theoretical=1.0, fraction=1.0)]
-        for name, settings in mitigations(args.chunk_size, args.window).items():
+        if args.as_served:
+            rows.append(as_served(Path(model), engine, default, args.max_model_len, num_kv_heads))
+        for name, settings in ({} if args.as_served else mitigations(args.chunk_size, args.window)).items():
             cfg = ChunkedKVConfig(**settings)
             for caching in (False, True):
                 tokens = capacity_tokens(model, {**engine, "attention_backend": "chunked_kv",
@@ -106,11 +137,13 @@ def main() -> None:
 
     print(f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} max_model_len={args.max_model_len} "
           f"max_num_batched_tokens={args.max_num_batched_tokens} block_size={args.block_size} retention={args.retention} "
-          f"chunk_size={args.chunk_size} window={args.window}")
+          + (f"settings from {Path(args.model) / 'chunked_kv_serve.json'}" if args.as_served
+             else f"chunk_size={args.chunk_size} window={args.window}"))
     print(f"{'backend':<12} {'prefix cache':>12} {'KV tokens':>12} {'ratio':>7} {'theory':>7} {'of theory':>9}")
     for row in rows:
-        print(f"{row['backend']:<12} {row['prefix_caching']:>12} {row['tokens']:>12,} {row['ratio']:>7.3f} "
-              f"{row['theoretical']:>7.3f} {row['fraction']:>9.3f}")
+        theory = (f"{row['theoretical']:>7.3f} {row['fraction']:>9.3f}" if row["theoretical"] is not None
+                  else f"{'-':>7} {'-':>9}")
+        print(f"{row['backend']:<12} {row['prefix_caching']:>12} {row['tokens']:>12,} {row['ratio']:>7.3f} {theory}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
 
