@@ -214,12 +214,14 @@ def test_gains_per_layer_train_apart_and_are_served_per_layer(byte_tokenizer, tm
 
 
 def test_process_totals_add_the_processes_of_a_resumed_run():
-    """Each record carries its process's clock and peak memory; a resumed run's cost is the sum of
-    every process's last clock (a clock that goes back is a new process) and the largest peak."""
-    log = [{"step": 1, "seconds": 10.0, "peak_gib": 1.0}, {"step": 2, "seconds": 20.0, "peak_gib": 1.5},
-           {"step": 2, "seconds": 12.0, "peak_gib": 2.5}, {"step": 3, "seconds": 25.0, "peak_gib": 2.5},
-           {"step": 4, "seconds": 5.0, "peak_gib": 0.5}]
-    assert train.process_totals(log) == (50.0, 2.5, 3)
+    """Each record names its process and carries that process's clock and peak memory; a resumed
+    run's cost is the sum of every process's last clock and the largest peak (a process that
+    logged one short step is counted although the next one's clock starts above it)."""
+    log = [{"step": 1, "process": 100, "seconds": 10.0, "peak_gib": 1.0},
+           {"step": 2, "process": 200, "seconds": 12.0, "peak_gib": 2.5},
+           {"step": 3, "process": 200, "seconds": 25.0, "peak_gib": 2.5},
+           {"step": 4, "process": 300, "seconds": 5.0, "peak_gib": 0.5}]
+    assert train.process_totals(log) == (40.0, 2.5, 3)
     assert train.process_totals([{"step": 1}]) == (0, 0.0, 0)  # logs written before the clock was logged
 
 
@@ -229,6 +231,7 @@ def test_records_carry_the_process_clock_and_memory(byte_tokenizer, tmp_path):
     train.train(tiny_byte_llama(), byte_tokenizer, CFG, opts, tmp_path, log=lambda m: None)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3]
-    assert log[0]["seconds"] < log[1]["seconds"] and log[2]["seconds"] < log[1]["seconds"]  # a new process's clock
+    assert log[0]["process"] == log[1]["process"] < log[2]["process"] and log[0]["seconds"] < log[1]["seconds"]
+    assert log[2]["seconds"] < log[1]["seconds"]  # the resumed process's own clock
     seconds, peak, processes = train.process_totals(log)
-    assert processes == 2 and seconds == log[1]["seconds"] + log[2]["seconds"] and peak > 0.1
+    assert (seconds, processes) == (log[1]["seconds"] + log[2]["seconds"], 2) and peak > 0.1

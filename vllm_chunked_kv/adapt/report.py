@@ -77,7 +77,7 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
     ]
     total, peak, processes = train.process_totals(records)
     if processes > 1:  # resumed: the cost of the whole run, not of its last process
-        untimed = sum("seconds" not in r for r in records)
+        untimed = sum("process" not in r for r in records)
         lines.append(f"- the whole run, resumed in {processes} processes: {total / 60:.1f} min of training, peak "
                      f"resident memory {peak:.1f} GiB" + (f" (not counted: {untimed} steps logged without a clock)"
                                                           if untimed else ""))

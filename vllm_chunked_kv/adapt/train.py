@@ -211,10 +211,13 @@ def peak_rss_gib() -> float:
 
 def process_totals(records: list[dict]) -> tuple[float, float, int]:
     """(seconds, peak GiB, processes) of a run resumed across processes, from its log's records
-    that carry `seconds` (each process's own clock, restarting at a resume) and `peak_gib`."""
-    timed = [r for r in records if "seconds" in r]
-    ends = [a for a, b in zip(timed, timed[1:] + [None]) if b is None or b["seconds"] < a["seconds"]]
-    return sum(r["seconds"] for r in ends), max((r["peak_gib"] for r in timed), default=0.0), len(ends)
+    that carry `process` (when their process began, Unix time), `seconds` (that process's
+    clock) and `peak_gib`."""
+    timed = [r for r in records if "process" in r]
+    last: dict[float, float] = {}
+    for r in timed:
+        last[r["process"]] = max(last.get(r["process"], 0.0), r["seconds"])
+    return sum(last.values()), max((r["peak_gib"] for r in timed), default=0.0), len(last)
 
 
 def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None,
@@ -260,7 +263,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             log(f"note: {opts.init_adapter} was adapted with slot gains {saved_gains}; "
                 "without --learn-gains this run pools chunks by their mean")
     prompts = probe.needle_prompts(tokenizer, opts.eval_prompts, span=probe.span(opts.min_distance)) if opts.eval_every else []
-    records, began, done = [], time.perf_counter(), 0
+    records, began, process, done = [], time.perf_counter(), round(time.time(), 3), 0
     with open(work_dir / "train_log.jsonl", "a") as log_file:
         for step in range(start, opts.steps):
             if stop_after is not None and done >= stop_after:
@@ -279,8 +282,8 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             done += 1
             rate = done / (time.perf_counter() - began)
             record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts),
-                      "steps_per_s": rate, "seconds": round(time.perf_counter() - began, 1),  # of this process
-                      "peak_gib": round(peak_rss_gib(), 2)}
+                      "steps_per_s": rate, "process": process, "seconds": round(time.perf_counter() - began, 1),
+                      "peak_gib": round(peak_rss_gib(), 2)}  # which process, its clock and its peak memory
             if gains is not None:
                 record["slot_gains"] = gain_weights(gains)
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
