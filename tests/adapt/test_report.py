@@ -163,9 +163,10 @@ def test_a_resumed_run_reports_the_time_of_all_its_processes(tmp_path):
     log = tmp_path / "train_log.jsonl"
     steps = [(1, None, None), (2, 7, 600.0), (3, 7, 1200.0), (3, 9, 660.0), (4, 9, 1260.0)]  # no clock, two processes
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0, "kl": 0.5, "ce": 0.5,
-                                       **({"process": p, "seconds": t, "peak_gib": 3.0} if t else {})}) + "\n"
+                                       **({"process": p, "seconds": t, "cpu_seconds": 2 * t, "peak_gib": 3.0}
+                                          if t else {})}) + "\n"
                            for s, p, t in steps))
     cfg = ChunkedKVConfig(chunk_size=4, window=16)
     card = report.write_report(tmp_path, ["adapt", "M"], cfg, train.AdaptOptions(), 1260.0, log).read_text()
-    assert ("- the whole run, resumed in 2 processes: 41.0 min of training, peak resident memory 3.0 GiB "
-            "(not counted: 1 steps logged without a clock)") in card
+    assert ("- the whole run, resumed in 2 processes: 41.0 min of training (1.37 CPU hours), peak resident "
+            "memory 3.0 GiB (not counted: 1 steps logged without a clock)") in card

@@ -29,8 +29,9 @@
   CPU; a GPU asked for where there is none, or a device that is neither, is
   refused by name before the model is touched. On a GPU (skipped elsewhere)
   the adapters train there and the saved state comes back to the CPU.
-- Cost: every logged step carries its process's clock and peak memory, so a
-  run resumed across processes adds up to what it cost (`process_totals`).
+- Cost: every logged step names its process and carries that process's wall
+  and CPU time and peak memory, so a run resumed across processes adds up to
+  what it cost (`process_totals`).
 """
 
 from __future__ import annotations
@@ -217,12 +218,12 @@ def test_process_totals_add_the_processes_of_a_resumed_run():
     """Each record names its process and carries that process's clock and peak memory; a resumed
     run's cost is the sum of every process's last clock and the largest peak (a process that
     logged one short step is counted although the next one's clock starts above it)."""
-    log = [{"step": 1, "process": 100, "seconds": 10.0, "peak_gib": 1.0},
-           {"step": 2, "process": 200, "seconds": 12.0, "peak_gib": 2.5},
-           {"step": 3, "process": 200, "seconds": 25.0, "peak_gib": 2.5},
-           {"step": 4, "process": 300, "seconds": 5.0, "peak_gib": 0.5}]
-    assert train.process_totals(log) == (40.0, 2.5, 3)
-    assert train.process_totals([{"step": 1}]) == (0, 0.0, 0)  # logs written before the clock was logged
+    log = [{"step": 1, "process": 100, "seconds": 10.0, "cpu_seconds": 19.0, "peak_gib": 1.0},
+           {"step": 2, "process": 200, "seconds": 12.0, "cpu_seconds": 20.0, "peak_gib": 2.5},
+           {"step": 3, "process": 200, "seconds": 25.0, "cpu_seconds": 40.0, "peak_gib": 2.5},
+           {"step": 4, "process": 300, "seconds": 5.0, "cpu_seconds": 9.0, "peak_gib": 0.5}]
+    assert train.process_totals(log) == (40.0, 68.0, 2.5, 3)
+    assert train.process_totals([{"step": 1}]) == (0, 0, 0.0, 0)  # logs written before the clock was logged
 
 
 def test_records_carry_the_process_clock_and_memory(byte_tokenizer, tmp_path):
@@ -233,5 +234,6 @@ def test_records_carry_the_process_clock_and_memory(byte_tokenizer, tmp_path):
     assert [r["step"] for r in log] == [1, 2, 3]
     assert log[0]["process"] == log[1]["process"] < log[2]["process"] and log[0]["seconds"] < log[1]["seconds"]
     assert log[2]["seconds"] < log[1]["seconds"]  # the resumed process's own clock
-    seconds, peak, processes = train.process_totals(log)
-    assert (seconds, processes) == (log[1]["seconds"] + log[2]["seconds"], 2) and peak > 0.1
+    totals = train.process_totals(log)
+    assert (totals.seconds, totals.processes) == (log[1]["seconds"] + log[2]["seconds"], 2) and totals.peak_gib > 0.1
+    assert totals.cpu_seconds == log[1]["cpu_seconds"] + log[2]["cpu_seconds"] > 0

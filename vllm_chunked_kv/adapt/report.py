@@ -75,12 +75,13 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "
         f"last 10 steps {mean(last, 'loss'):.3f} (CE {mean(last, 'ce'):.3f})",
     ]
-    total, peak, processes = train.process_totals(records)
-    if processes > 1:  # resumed: the cost of the whole run, not of its last process
+    totals = train.process_totals(records)
+    if totals.processes > 1:  # resumed: the cost of the whole run, not of its last process
         untimed = sum("process" not in r for r in records)
-        lines.append(f"- the whole run, resumed in {processes} processes: {total / 60:.1f} min of training, peak "
-                     f"resident memory {peak:.1f} GiB" + (f" (not counted: {untimed} steps logged without a clock)"
-                                                          if untimed else ""))
+        lines.append(f"- the whole run, resumed in {totals.processes} processes: {totals.seconds / 60:.1f} min of "
+                     f"training ({totals.cpu_seconds / 3600:.2f} CPU hours), peak resident memory "
+                     f"{totals.peak_gib:.1f} GiB" + (f" (not counted: {untimed} steps logged without a clock)"
+                                                     if untimed else ""))
     if probes:
         lines.append("- in-training retrieval probe (chunked, teacher-forced, "
                      f"{opts.eval_prompts} prompts): " + ", ".join(f"step {s}: {a:.0%}" for s, a in probes))

@@ -209,15 +209,24 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def process_totals(records: list[dict]) -> tuple[float, float, int]:
-    """(seconds, peak GiB, processes) of a run resumed across processes, from its log's records
-    that carry `process` (when their process began, Unix time), `seconds` (that process's
-    clock) and `peak_gib`."""
+class Totals(NamedTuple):
+    seconds: float  # wall time, pauses included
+    cpu_seconds: float  # CPU time of every thread: the cost on a machine shared with other work
+    peak_gib: float
+    processes: int
+
+
+def process_totals(records: list[dict]) -> Totals:
+    """What a run resumed across processes cost, from its log's records that carry `process`
+    (when their process began, Unix time) and that process's `seconds`, `cpu_seconds` and
+    `peak_gib` so far."""
     timed = [r for r in records if "process" in r]
-    last: dict[float, float] = {}
+    last: dict[float, dict] = {}
     for r in timed:
-        last[r["process"]] = max(last.get(r["process"], 0.0), r["seconds"])
-    return sum(last.values()), max((r["peak_gib"] for r in timed), default=0.0), len(last)
+        if r["process"] not in last or r["seconds"] > last[r["process"]]["seconds"]:
+            last[r["process"]] = r
+    return Totals(sum(r["seconds"] for r in last.values()), sum(r["cpu_seconds"] for r in last.values()),
+                  max((r["peak_gib"] for r in timed), default=0.0), len(last))
 
 
 def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None,
@@ -263,7 +272,8 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             log(f"note: {opts.init_adapter} was adapted with slot gains {saved_gains}; "
                 "without --learn-gains this run pools chunks by their mean")
     prompts = probe.needle_prompts(tokenizer, opts.eval_prompts, span=probe.span(opts.min_distance)) if opts.eval_every else []
-    records, began, process, done = [], time.perf_counter(), round(time.time(), 3), 0
+    records, done = [], 0
+    began, cpu_began, process = time.perf_counter(), time.process_time(), round(time.time(), 3)
     with open(work_dir / "train_log.jsonl", "a") as log_file:
         for step in range(start, opts.steps):
             if stop_after is not None and done >= stop_after:
@@ -283,7 +293,8 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             rate = done / (time.perf_counter() - began)
             record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts),
                       "steps_per_s": rate, "process": process, "seconds": round(time.perf_counter() - began, 1),
-                      "peak_gib": round(peak_rss_gib(), 2)}  # which process, its clock and its peak memory
+                      "cpu_seconds": round(time.process_time() - cpu_began, 1),
+                      "peak_gib": round(peak_rss_gib(), 2)}  # which process, its wall and CPU time, its peak memory
             if gains is not None:
                 record["slot_gains"] = gain_weights(gains)
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
