@@ -79,15 +79,17 @@ def theoretical_ratio(cfg: ChunkedKVConfig, max_model_len: int, num_kv_heads: in
     return max_model_len / float(rows)
 
 
-def as_served(model: Path, engine: dict, default: int, max_model_len: int, num_kv_heads: int) -> dict:
-    """The row of `model` served by its own `chunked_kv_serve.json` (no --additional-config)."""
+def as_served(model: Path, engine: dict, default: int) -> dict:
+    """The row of `model` served by its own `chunked_kv_serve.json` (no --additional-config),
+    against `default`, the default backend's capacity under the same `engine`."""
     cfg = read_serve_config(model)
     tokens = capacity_tokens(model, {**engine, "attention_backend": "chunked_kv"})
     config = json.loads((model / "config.json").read_text())
     hybrid = "sliding_attention" in (config.get("layer_types") or [])
     block_size = engine.get("block_size") or layout.default_block_size(cfg)
     kept = kept_tail_rows(cfg, block_size, engine["max_num_batched_tokens"], 0)  # prefix caching on, as served
-    ideal = None if hybrid else theoretical_ratio(cfg, max_model_len, num_kv_heads, kept, block_size)
+    ideal = None if hybrid else theoretical_ratio(cfg, engine["max_model_len"], config["num_key_value_heads"], kept,
+                                                  block_size)
     return dict(backend="as served", prefix_caching="on", tokens=tokens, ratio=tokens / default, theoretical=ideal,
                 fraction=None if ideal is None else tokens / default / ideal, settings=cfg.describe())
 
@@ -119,9 +121,10 @@ def main() -> None:
             engine["block_size"] = args.block_size
         default = capacity_tokens(model, engine)
         rows = [dict(backend="default", prefix_caching="any", tokens=default, ratio=1.0, theoretical=1.0, fraction=1.0)]
+        presets = {} if args.as_served else mitigations(args.chunk_size, args.window)
         if args.as_served:
-            rows.append(as_served(Path(model), engine, default, args.max_model_len, num_kv_heads))
-        for name, settings in ({} if args.as_served else mitigations(args.chunk_size, args.window)).items():
+            rows.append(as_served(Path(model), engine, default))
+        for name, settings in presets.items():
             cfg = ChunkedKVConfig(**settings)
             for caching in (False, True):
                 tokens = capacity_tokens(model, {**engine, "attention_backend": "chunked_kv",

@@ -1,5 +1,5 @@
-"""Contract of `adapt.probe`: needle prompts of one length with the record
-where the span puts it, and an accuracy that counts a prompt only when every
+"""Contract of `adapt.probe`: needle prompts with each record where the span
+puts it (positions drawn by the seed), and an accuracy that counts a prompt only when every
 answer token is the argmax, computed from the answer positions' logits alone
 (the same verdicts as the full logits give)."""
 
@@ -13,7 +13,7 @@ from vllm_chunked_kv.adapt import probe
 from .conftest import tiny_byte_llama
 
 
-def test_prompts_have_one_length_and_the_record_inside_the_span(byte_tokenizer):
+def test_each_record_starts_inside_the_span(byte_tokenizer):
     span = probe.span(640)
     assert span == (40, 1400) and probe.span(100) == (40, 400)
     prompts = probe.needle_prompts(byte_tokenizer, 9, span=span)

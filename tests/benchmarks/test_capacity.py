@@ -34,9 +34,8 @@ def test_as_served_row_is_the_serve_files_capacity(bench, tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, model)
     (model / SERVE_FILE).write_text(json.dumps({"attention_backend": "chunked_kv",
                                                 "additional_config": {"chunked_kv": SETTINGS}}))
-    config = json.loads((model / "config.json").read_text())
     default = bench.capacity_tokens(model, ENGINE)
-    row = bench.as_served(model, ENGINE, default, ENGINE["max_model_len"], config["num_key_value_heads"])
+    row = bench.as_served(model, ENGINE, default)
     assert row["settings"]["window"] == 32 and row["settings"]["pooling"] == "gated"
     assert row["theoretical"] > 2 and 0.9 <= row["fraction"] <= 1.0 + 1e-9, row
     assert row["ratio"] == row["tokens"] / default
@@ -48,5 +47,5 @@ def test_a_hybrid_row_has_no_uniform_theory(bench, tiny_gemma3, tmp_path, monkey
     (model / SERVE_FILE).write_text(json.dumps({"attention_backend": "chunked_kv",
                                                 "additional_config": {"chunked_kv": {"chunk_size": 4, "window": 16}}}))
     monkeypatch.setattr(bench, "capacity_tokens", lambda model, engine: 3000)
-    row = bench.as_served(model, ENGINE, 1000, ENGINE["max_model_len"], 1)
+    row = bench.as_served(model, ENGINE, 1000)
     assert row["theoretical"] is None and row["fraction"] is None and row["ratio"] == 3.0

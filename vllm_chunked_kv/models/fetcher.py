@@ -48,16 +48,19 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, adapted: bool =
     say = progress or (lambda line: None)
     try:
         if adapted:
-            with cache.exclusive(cache.model_dir(spec.adapted_name, cache_dir)):
-                return _fetch_adapted(spec, cache_dir, force, say)
-        with cache.exclusive(cache.model_dir(spec.name, cache_dir)):
-            return _fetch_base(spec, cache_dir, force, say)
+            return _fetch_adapted(spec, cache_dir, force, say)
+        return _fetch_base(spec, cache_dir, force, say)
     except OSError as exc:
         raise ModelFetchError(_os_error_line(name, exc)) from None
 
 
 def _fetch_base(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
     target = cache.model_dir(spec.name, cache_dir)
+    with cache.exclusive(target):  # a second fetch of it waits here, then finds it built
+        return _build_base(spec, target, force, say)
+
+
+def _build_base(spec: ModelSpec, target: Path, force: bool, say: Progress) -> Path:
     if cache.is_complete(target) and not force:
         return target
     convert.check_dependencies()
@@ -105,6 +108,11 @@ def adapter_digest(adapter: Path) -> str:
 
 def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Path:
     target = cache.model_dir(spec.adapted_name, cache_dir)
+    with cache.exclusive(target):  # then the base model's lock (`_fetch_base`), never the other way round
+        return _build_adapted(spec, cache_dir, target, force, say)
+
+
+def _build_adapted(spec: ModelSpec, cache_dir, target: Path, force: bool, say: Progress) -> Path:
     adapter = adapter_dir(spec)
     missing = [f for f in ADAPTER_FILES if not (adapter / f).is_file()]
     if cache.is_complete(target) and not force:
@@ -120,8 +128,7 @@ def _fetch_adapted(spec: ModelSpec, cache_dir, force: bool, say: Progress) -> Pa
         from vllm_chunked_kv.models.merge import merge_adapter
     except ImportError as exc:
         raise ModelFetchError(f"cannot merge the {spec.name} adapter: {exc}") from None
-    with cache.exclusive(cache.model_dir(spec.name, cache_dir)):  # always after the adapted one's: no deadlock
-        base = _fetch_base(spec, cache_dir, False, say)
+    base = _fetch_base(spec, cache_dir, False, say)
     with cache.staging(target) as work:
         say(f"merging the {spec.name} adapter into the base weights")
         built = work / "out"
