@@ -11,7 +11,8 @@
 - every shipped adapter has its card (a served.json beside it);
 - `--check` says whether a card is up to date, without writing it.
 - The ADAPT.md that `adapt` writes for a run resumed across processes gives
-  the whole run's training time and peak memory, not only its last process's.
+  the whole run's training time and peak memory, not only its last process's,
+  and its time on each machine the steps ran on.
 """
 
 from __future__ import annotations
@@ -161,12 +162,14 @@ def test_a_resumed_run_reports_the_time_of_all_its_processes(tmp_path):
     from vllm_chunked_kv.core.config import ChunkedKVConfig
 
     log = tmp_path / "train_log.jsonl"
-    steps = [(1, None, None), (2, 7, 600.0), (3, 7, 1200.0), (3, 9, 660.0), (4, 9, 1260.0)]  # no clock, two processes
+    steps = [(1, None, None, None), (2, 7, 600.0, "A"), (3, 7, 1200.0, "A"), (3, 9, 660.0, "B"),
+             (4, 9, 1260.0, "B")]  # no clock, then two processes on two machines
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0, "kl": 0.5, "ce": 0.5,
-                                       **({"process": p, "seconds": t, "cpu_seconds": 2 * t, "peak_gib": 3.0}
-                                          if t else {})}) + "\n"
-                           for s, p, t in steps))
+                                       **({"process": p, "machine": m, "seconds": t, "cpu_seconds": 2 * t,
+                                           "peak_gib": 3.0} if t else {})}) + "\n"
+                           for s, p, t, m in steps))
     cfg = ChunkedKVConfig(chunk_size=4, window=16)
     card = report.write_report(tmp_path, ["adapt", "M"], cfg, train.AdaptOptions(), 1260.0, log).read_text()
     assert ("- the whole run, resumed in 2 processes: 41.0 min of training (1.37 CPU hours), peak resident "
-            "memory 3.0 GiB (not counted: 1 steps logged without a clock)") in card
+            "memory 3.0 GiB (not counted: 1 steps logged without a clock); by machine: "
+            "A: 2 steps, 20.0 min (0.67 CPU hours); B: 2 steps, 21.0 min (0.70 CPU hours)") in card

@@ -29,9 +29,11 @@
   CPU; a GPU asked for where there is none, or a device that is neither, is
   refused by name before the model is touched. On a GPU (skipped elsewhere)
   the adapters train there and the saved state comes back to the CPU.
-- Cost: every logged step names its process and carries that process's wall
-  and CPU time and peak memory, so a run resumed across processes adds up to
-  what it cost (`process_totals`).
+- Cost: every logged step names its process and what it ran on (the GPU, or
+  the CPU's threads, model and instruction set, and the precision) and
+  carries that process's wall and CPU time and peak memory, so a run resumed
+  across processes, and machines, adds up to what it cost on each
+  (`process_totals`).
 """
 
 from __future__ import annotations
@@ -219,11 +221,13 @@ def test_process_totals_add_the_processes_of_a_resumed_run():
     run's cost is the sum of every process's last clock and the largest peak (a process that
     logged one short step is counted although the next one's clock starts above it)."""
     log = [{"step": 1, "process": 100, "seconds": 10.0, "cpu_seconds": 19.0, "peak_gib": 1.0},
-           {"step": 2, "process": 200, "seconds": 12.0, "cpu_seconds": 20.0, "peak_gib": 2.5},
-           {"step": 3, "process": 200, "seconds": 25.0, "cpu_seconds": 40.0, "peak_gib": 2.5},
-           {"step": 4, "process": 300, "seconds": 5.0, "cpu_seconds": 9.0, "peak_gib": 0.5}]
-    assert train.process_totals(log) == (40.0, 68.0, 2.5, 3)
-    assert train.process_totals([{"step": 1}]) == (0, 0, 0.0, 0)  # logs written before the clock was logged
+           {"step": 2, "process": 200, "machine": "B", "seconds": 12.0, "cpu_seconds": 20.0, "peak_gib": 2.5},
+           {"step": 3, "process": 200, "machine": "B", "seconds": 25.0, "cpu_seconds": 40.0, "peak_gib": 2.5},
+           {"step": 4, "process": 300, "machine": "B", "seconds": 5.0, "cpu_seconds": 9.0, "peak_gib": 0.5},
+           {"step": 5, "process": 400, "machine": "C", "seconds": 7.0, "cpu_seconds": 3.0, "peak_gib": 0.5}]
+    assert train.process_totals(log) == (47.0, 71.0, 2.5, 4, {"unrecorded": [1, 10.0, 19.0], "B": [3, 30.0, 49.0],
+                                                               "C": [1, 7.0, 3.0]})  # steps, seconds, CPU seconds
+    assert train.process_totals([{"step": 1}]) == (0, 0, 0.0, 0, {})  # logs written before the clock was logged
 
 
 def test_records_carry_the_process_clock_and_memory(byte_tokenizer, tmp_path):
@@ -237,3 +241,7 @@ def test_records_carry_the_process_clock_and_memory(byte_tokenizer, tmp_path):
     totals = train.process_totals(log)
     assert (totals.seconds, totals.processes) == (log[1]["seconds"] + log[2]["seconds"], 2) and totals.peak_gib > 0.1
     assert totals.cpu_seconds == log[1]["cpu_seconds"] + log[2]["cpu_seconds"] > 0
+    # and what the steps ran on: here, the CPU's threads and model name, and the precision
+    assert {r["machine"] for r in log} == {train.machine(opts)} and set(totals.by_machine) == {train.machine(opts)}
+    assert train.machine(opts).startswith(f"{torch.get_num_threads()} threads of ")
+    assert train.machine(opts).endswith(", " + train.precision(opts))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-import platform
 import re
 import shlex
 import sys
@@ -41,14 +40,6 @@ def progress_printer(total: int, stream=None):
     return log
 
 
-def where_trained(opts) -> str:
-    """The GPU's name, or the CPU threads and processor, that `opts` trains on."""
-    dev = train.device(opts)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"{torch.get_num_threads()} threads ({platform.processor() or platform.machine()})"
-
-
 def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_path: Path) -> Path:
     """ADAPT.md: the command, the settings, the time, the loss curve summary and the probe scores."""
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
@@ -69,7 +60,7 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         f"- served with: `--attention-backend chunked_kv --additional-config '{json.dumps({'chunked_kv': serve_settings(cfg)})}'`"
         " (also in `chunked_kv_serve.json`)",
         f"- options: `{json.dumps(asdict(opts))}`",
-        f"- time of this run: {seconds / 60:.1f} min in {train.precision(opts)} on {where_trained(opts)}, "
+        f"- time of this run: {seconds / 60:.1f} min on {train.machine(opts)}, "
         f"torch {torch.__version__}; steps logged: {len(records)}; "
         f"peak resident memory {train.peak_rss_gib():.1f} GiB",
         f"- loss (KL + CE), first 10 steps {mean(first, 'loss'):.3f} (CE {mean(first, 'ce'):.3f}), "
@@ -81,7 +72,9 @@ def write_report(out_dir: Path, argv: list[str], cfg, opts, seconds: float, log_
         lines.append(f"- the whole run, resumed in {totals.processes} processes: {totals.seconds / 60:.1f} min of "
                      f"training ({totals.cpu_seconds / 3600:.2f} CPU hours), peak resident memory "
                      f"{totals.peak_gib:.1f} GiB" + (f" (not counted: {untimed} steps logged without a clock)"
-                                                     if untimed else ""))
+                                                     if untimed else "")
+                     + "; by machine: " + "; ".join(f"{name}: {n} steps, {sec / 60:.1f} min ({cpu / 3600:.2f} CPU hours)"
+                                                    for name, (n, sec, cpu) in totals.by_machine.items()))
     if probes:
         lines.append("- in-training retrieval probe (chunked, teacher-forced, "
                      f"{opts.eval_prompts} prompts): " + ", ".join(f"step {s}: {a:.0%}" for s, a in probes))

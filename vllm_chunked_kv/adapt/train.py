@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import random
 import resource
 import sys
@@ -147,6 +148,25 @@ def precision(opts: AdaptOptions) -> str:
     return opts.precision
 
 
+def machine(opts: AdaptOptions) -> str:
+    """What a step runs on, as the log records it: the GPU's name, or the CPU threads, the
+    processor's model name and its widest instruction set for bf16 (AMX, AVX-512 BF16, else
+    torch's CPU capability), with the compute precision."""
+    dev = device(opts)
+    if dev.type == "cuda":
+        where = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass  # not Linux: the platform's name
+        isa = ("AMX" if torch.cpu._is_amx_tile_supported() else "AVX-512 BF16" if torch.cpu._is_avx512_bf16_supported()
+               else torch.backends.cpu.get_cpu_capability())
+        where = f"{torch.get_num_threads()} threads of {name} ({isa})"
+    return f"{where}, {precision(opts)}"
+
+
 def autocast(opts: AdaptOptions):
     return torch.autocast(device(opts).type, dtype=torch.bfloat16, enabled=precision(opts) == "bf16")
 
@@ -214,19 +234,28 @@ class Totals(NamedTuple):
     cpu_seconds: float  # CPU time of every thread: the cost on a machine shared with other work
     peak_gib: float
     processes: int
+    by_machine: dict  # machine (`machine()`, "unrecorded" before logs named it) -> [steps, seconds, cpu_seconds]
 
 
 def process_totals(records: list[dict]) -> Totals:
     """What a run resumed across processes cost, from its log's records that carry `process`
     (when their process began, Unix time) and that process's `seconds`, `cpu_seconds` and
-    `peak_gib` so far."""
+    `peak_gib` so far; with `machine`, split by what the steps ran on."""
     timed = [r for r in records if "process" in r]
     last: dict[float, dict] = {}
+    steps: dict[float, int] = {}
     for r in timed:
+        steps[r["process"]] = steps.get(r["process"], 0) + 1
         if r["process"] not in last or r["seconds"] > last[r["process"]]["seconds"]:
             last[r["process"]] = r
+    by_machine: dict[str, list] = {}
+    for process, r in last.items():
+        row = by_machine.setdefault(r.get("machine", "unrecorded"), [0, 0.0, 0.0])
+        row[0] += steps[process]
+        row[1] += r["seconds"]
+        row[2] += r["cpu_seconds"]
     return Totals(sum(r["seconds"] for r in last.values()), sum(r["cpu_seconds"] for r in last.values()),
-                  max((r["peak_gib"] for r in timed), default=0.0), len(last))
+                  max((r["peak_gib"] for r in timed), default=0.0), len(last), by_machine)
 
 
 def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: Path, log=None,
@@ -272,7 +301,7 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             log(f"note: {opts.init_adapter} was adapted with slot gains {saved_gains}; "
                 "without --learn-gains this run pools chunks by their mean")
     prompts = probe.needle_prompts(tokenizer, opts.eval_prompts, span=probe.span(opts.min_distance)) if opts.eval_every else []
-    records, done = [], 0
+    records, done, where = [], 0, machine(opts)
     began, cpu_began, process = time.perf_counter(), time.process_time(), round(time.time(), 3)
     with open(work_dir / "train_log.jsonl", "a") as log_file:
         for step in range(start, opts.steps):
@@ -292,9 +321,10 @@ def train(model, tokenizer, cfg: ChunkedKVConfig, opts: AdaptOptions, work_dir: 
             done += 1
             rate = done / (time.perf_counter() - began)
             record = {"step": step + 1, "loss": float(loss.detach()), "kl": kl, "ce": ce, "lr": lr_at(step, opts),
-                      "steps_per_s": rate, "process": process, "seconds": round(time.perf_counter() - began, 1),
+                      "steps_per_s": rate, "process": process, "machine": where,
+                      "seconds": round(time.perf_counter() - began, 1),
                       "cpu_seconds": round(time.process_time() - cpu_began, 1),
-                      "peak_gib": round(peak_rss_gib(), 2)}  # which process, its wall and CPU time, its peak memory
+                      "peak_gib": round(peak_rss_gib(), 2)}  # which process on what, its wall and CPU time, its peak
             if gains is not None:
                 record["slot_gains"] = gain_weights(gains)
             if opts.eval_every and (step + 1) % opts.eval_every == 0:
