@@ -156,11 +156,12 @@ def machine(opts: AdaptOptions) -> str:
     if dev.type == "cuda":
         where = torch.cuda.get_device_name(dev)
     else:
-        name = platform.processor() or platform.machine()
+        name = platform.processor() or platform.machine()  # not Linux: the platform's name
         try:
-            name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+            with open("/proc/cpuinfo") as info:
+                name = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
         except (OSError, StopIteration):
-            pass  # not Linux: the platform's name
+            pass
         isa = ("AMX" if torch.cpu._is_amx_tile_supported() else "AVX-512 BF16" if torch.cpu._is_avx512_bf16_supported()
                else torch.backends.cpu.get_cpu_capability())
         where = f"{torch.get_num_threads()} threads of {name} ({isa})"
