@@ -255,7 +255,7 @@ def process_totals(records: list[dict]) -> Totals:
         row[0] += steps[process]
         row[1] += r["seconds"]
         row[2] += r["cpu_seconds"]
-    return Totals(sum(r["seconds"] for r in last.values()), sum(r["cpu_seconds"] for r in last.values()),
+    return Totals(sum(row[1] for row in by_machine.values()), sum(row[2] for row in by_machine.values()),
                   max((r["peak_gib"] for r in timed), default=0.0), len(last), by_machine)
 
 
