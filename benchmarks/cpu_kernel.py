@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -229,22 +228,6 @@ def stream_read_bandwidth(nbytes: int, repeat: int) -> float:
     return data.numel() * 4 / statistics.median(times[1:])
 
 
-def cpu_description() -> dict:
-    """The CPU's model and the flags that decide the kernels' paths (AMX, AVX-512 BF16, AVX-512, AVX2)."""
-    model, flags = platform.processor(), set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    wanted = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2")
-    return {"model": model, "flags": [flag for flag in wanted if flag in flags],
-            "torch_amx": torch.cpu._is_amx_tile_supported(), "torch_avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
-
-
 def memcpy_bandwidth(nbytes: int, repeat: int) -> float:
     """Bytes per second of copying `nbytes` (at least 64 MB, so that it streams from memory)."""
     size = max(nbytes, 64 << 20) // 4
@@ -288,7 +271,7 @@ def main() -> None:
     if args.cold:
         junk, junk_out = torch.randn(16 << 20), torch.empty(16 << 20)  # 64 MB each, more than most L3 caches
         shape["flush"] = lambda: junk_out.copy_(junk)
-    cpu = cpu_description()
+    cpu = dispatch.cpu_description()
     isa = vllm_isa(dtype, args.head_size, kv_cache_dtype=args.kv_cache_dtype)
     print(f"cpu={cpu['model']!r} flags={','.join(cpu['flags'])} vllm isa={isa}")
     print(f"cfg={args.chunked_kv} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_size} "

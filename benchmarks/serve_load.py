@@ -42,8 +42,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cpu_kernel import cpu_description, vllm_isa  # benchmarks/: run as a script
+from cpu_kernel import vllm_isa  # benchmarks/: run as a script
 
+from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.runner.server import VllmServer, vllm_executable
 
 MiB = 1 << 20
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
     else:
         names = list(ROWS) if opts.rows == "all" else opts.rows.split(",")
         rows = {name: ROWS[name] for name in names}
-    results = {"model": opts.model, "dtype": opts.dtype, "seed": opts.seed, "cpu": cpu_description(),
+    results = {"model": opts.model, "dtype": opts.dtype, "seed": opts.seed, "cpu": dispatch.cpu_description(),
                "default_isa": default_isa(opts.model, opts.dtype),
                "command": " ".join(["python", "benchmarks/serve_load.py", *(sys.argv[1:] if argv is None else argv)]),
                "rows": [run_row(opts, name, row) for name, row in rows.items()]}

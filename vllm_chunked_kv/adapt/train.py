@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import random
 import resource
 import sys
@@ -47,7 +46,7 @@ from vllm_chunked_kv.adapt import data, lora, probe
 from vllm_chunked_kv.adapt.loss import loss_terms
 from vllm_chunked_kv.core.config import ChunkedKVConfig
 from vllm_chunked_kv.hf.attention import GAINS_LR_SCALE, chunked_attention, gain_weights, gains_apply
-from vllm_chunked_kv.ops.dispatch import native_bf16
+from vllm_chunked_kv.ops.dispatch import cpu_description, native_bf16
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -156,15 +155,10 @@ def machine(opts: AdaptOptions) -> str:
     if dev.type == "cuda":
         where = torch.cuda.get_device_name(dev)
     else:
-        name = platform.processor() or platform.machine()  # not Linux: the platform's name
-        try:
-            with open("/proc/cpuinfo") as info:
-                name = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        isa = ("AMX" if torch.cpu._is_amx_tile_supported() else "AVX-512 BF16" if torch.cpu._is_avx512_bf16_supported()
+        cpu = cpu_description()
+        isa = ("AMX" if cpu["torch_amx"] else "AVX-512 BF16" if cpu["torch_avx512_bf16"]
                else torch.backends.cpu.get_cpu_capability())
-        where = f"{torch.get_num_threads()} threads of {name} ({isa})"
+        where = f"{torch.get_num_threads()} threads of {cpu['model']} ({isa})"
     return f"{where}, {precision(opts)}"
 
 

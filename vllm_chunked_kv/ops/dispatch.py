@@ -33,8 +33,10 @@ import functools
 import importlib
 import logging
 import os
+import platform
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
@@ -63,6 +65,22 @@ def native_bf16(dev: torch.device | None = None) -> bool:
     if dev is not None and dev.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def cpu_description() -> dict:
+    """The CPU's model and the flags that decide the kernels' paths (AMX, AVX-512 BF16, AVX-512, AVX2)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")  # Linux; elsewhere the platform's name and no flags
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2")
+    return {"model": model, "flags": [flag for flag in wanted if flag in flags],
+            "torch_amx": torch.cpu._is_amx_tile_supported(), "torch_avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
 
 
 def available(impl: str, device=None, *, head_size: int | None = None, head_size_v: int | None = None,
