@@ -12,6 +12,9 @@ schedule, `schedule.py`) run there. Arguments and results travel pickled; an exc
 again here with the worker's traceback attached. A call given ``out=`` must
 return that very tensor (checked in the worker), so a NaN-filled ``out``
 whose elements come back unwritten fails the test.
+
+The CUDA kernels' CPU emulation is built once a session (`cuda_build.py`'s
+fixtures, registered here): test_cuda_ext.py and test_cuda_fp8.py share it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import sys
 from multiprocessing import Pipe
 
 import pytest
+
+from .cuda_build import emulated, emulated_module, emulated_objects  # noqa: F401 (session fixtures)
 
 _WORKER = r"""
 import importlib, pickle, sys, traceback

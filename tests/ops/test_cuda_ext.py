@@ -39,7 +39,6 @@ the same schedules equal the reference for every setting of
 options above.
 """
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -55,10 +54,10 @@ from vllm_chunked_kv.ops import dispatch
 from vllm_chunked_kv.ops.kernels import cuda_ext
 
 from . import kernel_checks
+from .cuda_build import CSRC, compile_emulated, cuda_include, link_emulated, object_name, run_all
 from .kernel_checks import CACHE_LAYOUTS, KERNEL_SHAPES, LOGIT_SHAPES, run_cache_layout, run_logit_shape, run_shape
 from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths, run_schedule
 
-CSRC = Path(cuda_ext.SOURCES_DIR)
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 
@@ -135,40 +134,16 @@ def test_limits_are_reasons_without_a_build(monkeypatch):
 # ------------------------------------------------------------ compile checks
 
 
-def _cuda_include() -> Path | None:
-    nvcc = shutil.which("nvcc")
-    candidates = [Path("/usr/local/cuda/include")]
-    if nvcc:
-        candidates.append(Path(nvcc).resolve().parents[1] / "include")
-    return next((p for p in candidates if (p / "cuda_runtime_api.h").is_file() and (p / "cuda_bf16.h").is_file()),
-                None)
-
-
-def _object(name: str) -> str:
-    """The object file of source `name` (a path under csrc/): its file name + ``.o``."""
-    return f"{Path(name).name}.o"
-
-
-def _run_all(commands: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
-    """Run the commands at the same time; their results in order."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
-    results = []
-    for cmd, proc in zip(commands, procs):
-        out, err = proc.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
-    return results
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernels_compile_with_nvcc(tmp_path):
     from torch.utils import cpp_extension
 
-    commands = [["nvcc", "-c", str(CSRC / name), "-o", str(tmp_path / _object(name)), "-std=c++20", "-O3",
+    commands = [["nvcc", "-c", str(CSRC / name), "-o", str(tmp_path / object_name(name)), "-std=c++20", "-O3",
                  *cpp_extension.COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC",  # as the JIT build compiles them
                  "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v"]
                 for name in KERNEL_SOURCES]
-    for done in _run_all(commands):
+    for done in run_all(commands):
         assert done.returncode == 0, done.stderr[-3000:]
         assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
         # ptxas -v: per kernel and arch, "Compiling entry function 'NAME' for 'sm_XX'", then its
@@ -186,14 +161,14 @@ def test_kernels_compile_with_nvcc(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.skipif(shutil.which("g++") is None or cuda_include() is None, reason="needs g++ and the CUDA headers")
 def test_binding_compiles_against_torch_headers(tmp_path):
     torch_include = Path(torch.__file__).parent / "include"
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"  # generated only in CUDA builds of torch
     stub.parent.mkdir(parents=True)
     stub.write_text("#pragma once\n")
     cmd = ["g++", "-fsyntax-only", "-std=c++20", f"-I{tmp_path}", f"-I{torch_include}",
-           f"-I{torch_include / 'torch/csrc/api/include'}", f"-I{_cuda_include()}",
+           f"-I{torch_include / 'torch/csrc/api/include'}", f"-I{cuda_include()}",
            f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}", "-DTORCH_EXTENSION_NAME=chunked_kv_cuda",
            str(CSRC / "cuda" / "chunked_kv_ext.cpp")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -201,62 +176,6 @@ def test_binding_compiles_against_torch_headers(tmp_path):
 
 
 # -------------------------------------------------------------- CPU emulation
-
-
-def _compile_emulated(source_dir: Path, out_dir: Path, names, module: str = "chunked_kv_emulated") -> None:
-    """Compile sources `names` of `source_dir` with g++ for the emulation
-    into ``out_dir/<file name>.o``; the binding as extension `module`."""
-    from torch.utils import cpp_extension
-
-    torch_dir = Path(torch.__file__).parent
-    no_implicit = [flag for flag in cpp_extension.COMMON_NVCC_FLAGS if flag.startswith("-D")]  # as under nvcc
-    flags = ["-std=c++20", "-O1", "-fPIC", "-DCHUNKED_KV_CPU_EMULATION", *no_implicit, f"-I{source_dir}",
-             f"-I{_cuda_include()}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    torch_flags = [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
-                   f"-I{sysconfig.get_paths()['include']}", f"-DTORCH_EXTENSION_NAME={module}"]
-    commands = [["g++", *flags, *(torch_flags if name.endswith(".cpp") else ["-x", "c++"]), "-c",
-                 str(source_dir / name), "-o", str(out_dir / _object(name))] for name in names]
-    for done in _run_all(commands):
-        assert done.returncode == 0, done.stderr[-3000:]
-
-
-def _link_emulated(objects: list[Path], library: Path):
-    """Link the objects into the extension `library` (named as its file) and import it."""
-    torch_lib = Path(torch.__file__).parent / "lib"
-    link = ["g++", "-shared", "-Wl,-Bsymbolic", *map(str, objects), f"-L{torch_lib}", "-lc10", "-ltorch",
-            "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{torch_lib}", "-o", str(library)]  # -Bsymbolic: its own
-    # kernels, whatever other build of them is loaded
-    done = subprocess.run(link, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    spec = importlib.util.spec_from_file_location(library.stem, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.EMULATED
-    return module
-
-
-@pytest.fixture(scope="module")
-def emulated_objects(tmp_path_factory) -> Path:
-    """A folder with every source of csrc/ compiled for the emulation."""
-    if shutil.which("g++") is None or _cuda_include() is None:
-        pytest.skip("the CPU emulation needs g++ and the CUDA headers")
-    out_dir = tmp_path_factory.mktemp("chunked_kv_emulated")
-    _compile_emulated(CSRC, out_dir, cuda_ext.SOURCES)
-    return out_dir
-
-
-@pytest.fixture(scope="module")
-def emulated_module(emulated_objects):
-    """The extension built from csrc/ with g++ over csrc/cuda/cpu_emulation.h."""
-    return _link_emulated([emulated_objects / _object(name) for name in cuda_ext.SOURCES],
-                          emulated_objects / "chunked_kv_emulated.so")
-
-
-@pytest.fixture
-def emulated(emulated_module):
-    """cuda_ext running the emulated extension on CPU tensors (reset afterwards by _fresh_state)."""
-    cuda_ext._state.update(tried=True, module=emulated_module, reason=None)
-    return emulated_module
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -311,9 +230,9 @@ def test_emulation_catches_a_missing_barrier(emulated_objects, tmp_path):
     assert text.count(barrier) == 1
     source.write_text(text.replace(barrier, barrier.removesuffix("    __syncthreads();\n")))
     rebuilt = ["cuda/chunked_kv_attention.cu", "cuda/chunked_kv_ext.cpp"]  # an extension of another name: Python
-    _compile_emulated(sources, tmp_path, rebuilt, module="chunked_kv_racy")  # imports one name once
-    objects = [(tmp_path if name in rebuilt else emulated_objects) / _object(name) for name in cuda_ext.SOURCES]
-    racy = _link_emulated(objects, tmp_path / "chunked_kv_racy.so")
+    compile_emulated(sources, tmp_path, rebuilt, module="chunked_kv_racy")  # imports one name once
+    objects = [(tmp_path if name in rebuilt else emulated_objects) / object_name(name) for name in cuda_ext.SOURCES]
+    racy = link_emulated(objects, tmp_path / "chunked_kv_racy.so")
     cuda_ext._state.update(tried=True, module=racy, reason=None)
     cfg = ChunkedKVConfig(**CONFIGS["none"])
     with pytest.raises(AssertionError, match="not close"):

@@ -43,8 +43,8 @@ from vllm_chunked_kv.ops.kernels import compressed, cuda_ext
 
 from .fp8_checks import check_every_code, check_mean_rounding, pooling_step
 from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run_schedule
-# test_cuda_ext.py's fixtures: the emulated extension (built once for this module too), cuda_ext's state reset
-from .test_cuda_ext import NO_GPU, _fresh_state, emulated, emulated_module, emulated_objects  # noqa: F401, F811
+# test_cuda_ext.py's autouse reset of cuda_ext's state (the emulated extension: conftest.py, one build a session)
+from .test_cuda_ext import NO_GPU, _fresh_state  # noqa: F401
 
 torch.set_num_threads(1)  # the reference's small tensors: two threads on a busy 2-core machine wait on each other
 
