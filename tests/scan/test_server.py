@@ -7,6 +7,10 @@
 - Resuming against the live server sends nothing twice.
 - `--feedback` posts through the project's feedback route when the plugins
   are enabled, and every post is accepted.
+
+The server runs the model in its engine's process (`ONE_PROCESS`: no worker
+process, as its log shows), which starts faster; the layout users get is
+served in tests/serving/test_serve.py.
 """
 
 from __future__ import annotations
@@ -16,18 +20,17 @@ import json
 import pytest
 
 from vllm_chunked_kv.commands.main import main
-from vllm_chunked_kv.runner.server import VllmServer
+from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # VllmServer allowlists the project's plugins itself
 ARGS = ["--kv-haystack-len", "64", "--kv-records", "8", "--prompts", "4", "--per-phase", "8", "--max-tokens", "2",
         "--no-progress", "--json", "--retries", "1", "--backoff", "0.1"]
 
 
 def test_all_probes_end_to_end(tiny_llama, tmp_path, capsys):
     out = str(tmp_path / "scan")
-    with VllmServer(tiny_llama, env=ENV) as server:
+    with VllmServer(tiny_llama, defaults=[*DEFAULT_ARGS, *ONE_PROCESS]) as server:
         code = main(["scan", "--base-url", f"{server.base_url}/v1", "--out", out, "--feedback", *ARGS])
         captured = capsys.readouterr()
         assert code == 0, captured.err + server.log_tail()
@@ -52,3 +55,5 @@ def test_all_probes_end_to_end(tiny_llama, tmp_path, capsys):
     assert summary["feedback"] == {"route": "present", "posted": total, "rejected": 0}
     assert code == 0 and (again["resumed"], again["sent"]) == (total, 0)
     assert again["results"] == summary["results"]
+    log = server.log()
+    assert "(EngineCore pid=" in log and "(Worker pid=" not in log  # the model ran in the engine's process

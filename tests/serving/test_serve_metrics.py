@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.runner.server import VllmServer
+from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -28,7 +28,8 @@ HOP = CFG.hop  # 4: phases follow the hop, not chunk_size
 def server(tiny_llama):
     args = ["--attention-backend", "chunked_kv", "--max-model-len", "256",
             "--additional-config", json.dumps({"chunked_kv": SECTION})]
-    with VllmServer(tiny_llama, args) as running:  # its default VLLM_PLUGINS names the three
+    # its default VLLM_PLUGINS names the three; the model in the engine's process (no worker process)
+    with VllmServer(tiny_llama, args, defaults=[*DEFAULT_ARGS, *ONE_PROCESS]) as running:
         yield running
 
 

@@ -11,6 +11,14 @@ loads endpoint plugins only when that allowlist names them, and without the
 config route a scan cannot learn the server's window and places its needles
 for an assumed long one (scan/placement.py).
 
+`ONE_PROCESS` (``--distributed-executor-backend uni``) runs the model in
+the engine's own process instead of a worker process of its own: one
+Python process fewer to start (about 15-25 s of a 2-core machine), for
+servers whose test or benchmark does not depend on the process layout
+users get. On CPU, vLLM keeps "uni" only with VLLM_ENABLE_V1_MULTIPROCESSING=0
+(otherwise it switches to "mp" without a word), so a server given it gets
+that variable too; the API server and the engine stay separate processes.
+
     with VllmServer(model_dir, ["--attention-backend", "chunked_kv"]) as server:
         client = server.openai_client()
 """
@@ -32,6 +40,7 @@ from pathlib import Path
 # platform otherwise reserves a fraction of a NUMA node's memory).
 DEFAULT_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", str(64 << 20)]
+ONE_PROCESS = ["--distributed-executor-backend", "uni"]  # the model runs in the engine's process
 # The entry points of pyproject.toml: backend, stat logger, endpoint routes.
 PROJECT_PLUGINS = "chunked_kv,chunked_kv_metrics,chunked_kv_feedback"
 
@@ -91,6 +100,12 @@ def stop_group(proc: subprocess.Popen | None) -> None:
             continue
 
 
+def one_process_env(command: list[str]) -> dict[str, str]:
+    """The environment `ONE_PROCESS` needs when `command` asks for it (see the module docstring)."""
+    pairs = zip(command, command[1:])
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if ("--distributed-executor-backend", "uni") in pairs else {}
+
+
 class VllmServer:
     """`vllm serve MODEL ARGS` on a free 127.0.0.1 port, as a context manager."""
 
@@ -101,7 +116,7 @@ class VllmServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = [vllm_executable(), "serve", self.model, "--host", "127.0.0.1",
                         "--port", str(self.port), *defaults, *args]
-        self.env = {"VLLM_PLUGINS": PROJECT_PLUGINS, **os.environ, **(env or {})}
+        self.env = {"VLLM_PLUGINS": PROJECT_PLUGINS, **os.environ, **one_process_env(self.command), **(env or {})}
         self.timeout = timeout
         self.log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
