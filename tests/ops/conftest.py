@@ -14,7 +14,8 @@ return that very tensor (checked in the worker), so a NaN-filled ``out``
 whose elements come back unwritten fails the test.
 
 The CUDA kernels' CPU emulation is built once a session (`cuda_build.py`'s
-fixtures, registered here): test_cuda_ext.py and test_cuda_fp8.py share it.
+fixtures, registered here): test_cuda_ext.py and test_cuda_fp8.py share it
+(one pytest-xdist group, so one worker).
 """
 
 from __future__ import annotations

@@ -60,6 +60,8 @@ from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths, run_schedule
 
 KERNEL_SOURCES = [name for name in cuda_ext.SOURCES if name.endswith(".cu")]
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
+# one pytest-xdist group with test_cuda_fp8.py: one worker builds the emulation once for both
+pytestmark = pytest.mark.xdist_group("cuda-emulation")
 
 
 @pytest.fixture(autouse=True)

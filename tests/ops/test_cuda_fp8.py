@@ -46,6 +46,8 @@ from .schedule import CONFIGS, FP8_SCHEDULES, LOGIT_OPTIONS, kernel_lengths, run
 # test_cuda_ext.py's autouse reset of cuda_ext's state (the emulated extension: conftest.py, one build a session)
 from .test_cuda_ext import NO_GPU, _fresh_state  # noqa: F401
 
+pytestmark = pytest.mark.xdist_group("cuda-emulation")  # with test_cuda_ext.py: one build of the emulation
+
 torch.set_num_threads(1)  # the reference's small tensors: two threads on a busy 2-core machine wait on each other
 
 
