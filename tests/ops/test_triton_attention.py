@@ -18,7 +18,10 @@ before the call), for:
   split context and query tiles;
 
 and the kernels as `attend`/`write_chunks` launch them compile ahead of time
-for sm_80/sm_90 (not run). The split count, a kernel constant, takes
+for sm_80/sm_90 (not run). The interpreter is slow (10-20 s a schedule on 2
+cores), so the fast tier runs every setting at GQA 4 and the logit options
+combined (softcap or window, with sinks); GQA 1 and each option alone are in
+the slow tier. The split count, a kernel constant, takes
 power-of-two values only (a bounded number of compiled variants).
 """
 
@@ -31,7 +34,7 @@ from vllm_chunked_kv.core.config import ChunkedKVConfig
 from .schedule import CONFIGS, LOGIT_OPTIONS, kernel_lengths
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [pytest.param(1, marks=pytest.mark.slow), 4])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_steps_equal_reference(triton_ops, name, group):
     cfg = ChunkedKVConfig(**CONFIGS[name])
@@ -64,7 +67,8 @@ def test_shapes_tiles_splits_and_dtypes(triton_ops, name, options):
     triton_ops.schedule.run_schedule(cfg, kernel_lengths(cfg, 7), seed=7, impl="triton", **options)
 
 
-@pytest.mark.parametrize("options", list(LOGIT_OPTIONS))
+@pytest.mark.parametrize("options", [o if o.endswith("-sinks") else pytest.param(o, marks=pytest.mark.slow)
+                                     for o in LOGIT_OPTIONS])  # the fast tier: the combined options
 @pytest.mark.parametrize("name, shape", [
     ("boundary-gated", dict(group=2)),
     ("stagger-heads", dict(group=4, attend_kwargs=dict(num_splits=2, block_m=5))),  # the sink in split 0 only
