@@ -32,7 +32,7 @@ import pytest
 
 from vllm_chunked_kv.demo import real_model
 from vllm_chunked_kv.core.serve_file import SERVE_FILE
-from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS
+from vllm_chunked_kv.runner.server import ONE_PROCESS_ARGS
 
 SETTINGS = {"chunk_size": 4, "window": 32, "sink_tokens": 4, "stagger": "heads"}
 
@@ -93,7 +93,7 @@ def test_adjacent_swap(bench):
 @pytest.mark.slow
 @pytest.mark.server
 def test_measure_places_needles_beyond_the_window(bench, adapted_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(real_model, "SERVE_DEFAULTS", [*DEFAULT_ARGS, *ONE_PROCESS])
+    monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ONE_PROCESS_ARGS)
     near = bench.measure(adapted_dir, 128, 4, False, tmp_path / "near")
     far = bench.measure(adapted_dir, 256, 4, False, tmp_path / "far")
     for result, window in ((near, 128), (far, 256)):

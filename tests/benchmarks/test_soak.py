@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS, VllmServer
+from vllm_chunked_kv.runner.server import ONE_PROCESS_ARGS, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ def test_soak_leaves_the_server_correct_and_idle(mode, tiny_llama, load_benchmar
     soak = load_benchmark("soak")
     settings = {"chunk_size": 4, "window": 16, "sink_tokens": 4, **MODES[mode]}
     args = ["--attention-backend", "chunked_kv", "--additional-config", json.dumps({"chunked_kv": settings})]
-    with VllmServer(tiny_llama, args, defaults=[*DEFAULT_ARGS, *ONE_PROCESS]) as server:  # no worker process
+    with VllmServer(tiny_llama, args, defaults=ONE_PROCESS_ARGS) as server:  # no worker process
         options = soak.parse_args([
             "--base-url", server.base_url, "--duration", "30", "--concurrency", "8", "--abort", "0.3",
             "--lengths", "32,200,600", "--max-tokens", "24", "--pid", str(server.proc.pid), "--sample-every", "10",

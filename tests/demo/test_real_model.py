@@ -25,7 +25,7 @@ import pytest
 from vllm_chunked_kv.demo import cli as demo_cli
 from vllm_chunked_kv.demo import real_model
 from vllm_chunked_kv.core.serve_file import SERVE_FILE
-from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS
+from vllm_chunked_kv.runner.server import ONE_PROCESS_ARGS
 
 
 def test_modes_cover_every_mitigation_and_the_adapted_rows(tmp_path):
@@ -43,7 +43,7 @@ def test_modes_cover_every_mitigation_and_the_adapted_rows(tmp_path):
 @pytest.mark.slow
 @pytest.mark.server
 def test_scan_of_a_served_model(tiny_llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(real_model, "SERVE_DEFAULTS", [*DEFAULT_ARGS, *ONE_PROCESS])
+    monkeypatch.setattr(real_model, "SERVE_DEFAULTS", ONE_PROCESS_ARGS)
     settings = {**real_model.CHUNKED, "window": 32}
     summary = real_model.scan_mode(tiny_llama, settings, 4, tmp_path / "scan")
     needle = summary["results"]["needle"]

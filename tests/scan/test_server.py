@@ -20,7 +20,7 @@ import json
 import pytest
 
 from vllm_chunked_kv.commands.main import main
-from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS, VllmServer
+from vllm_chunked_kv.runner.server import ONE_PROCESS_ARGS, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ ARGS = ["--kv-haystack-len", "64", "--kv-records", "8", "--prompts", "4", "--per
 
 def test_all_probes_end_to_end(tiny_llama, tmp_path, capsys):
     out = str(tmp_path / "scan")
-    with VllmServer(tiny_llama, defaults=[*DEFAULT_ARGS, *ONE_PROCESS]) as server:
+    with VllmServer(tiny_llama, defaults=ONE_PROCESS_ARGS) as server:
         code = main(["scan", "--base-url", f"{server.base_url}/v1", "--out", out, "--feedback", *ARGS])
         captured = capsys.readouterr()
         assert code == 0, captured.err + server.log_tail()

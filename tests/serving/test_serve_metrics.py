@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_chunked_kv.core.config import ChunkedKVConfig
-from vllm_chunked_kv.runner.server import DEFAULT_ARGS, ONE_PROCESS, VllmServer
+from vllm_chunked_kv.runner.server import ONE_PROCESS_ARGS, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def server(tiny_llama):
     args = ["--attention-backend", "chunked_kv", "--max-model-len", "256",
             "--additional-config", json.dumps({"chunked_kv": SECTION})]
     # its default VLLM_PLUGINS names the three; the model in the engine's process (no worker process)
-    with VllmServer(tiny_llama, args, defaults=[*DEFAULT_ARGS, *ONE_PROCESS]) as running:
+    with VllmServer(tiny_llama, args, defaults=ONE_PROCESS_ARGS) as running:
         yield running
 
 

@@ -11,13 +11,14 @@ loads endpoint plugins only when that allowlist names them, and without the
 config route a scan cannot learn the server's window and places its needles
 for an assumed long one (scan/placement.py).
 
-`ONE_PROCESS` (``--distributed-executor-backend uni``) runs the model in
-the engine's own process instead of a worker process of its own: one
-Python process fewer to start (about 15-25 s of a 2-core machine), for
-servers whose test or benchmark does not depend on the process layout
-users get. On CPU, vLLM keeps "uni" only with VLLM_ENABLE_V1_MULTIPROCESSING=0
-(otherwise it switches to "mp" without a word), so a server given it gets
-that variable too; the API server and the engine stay separate processes.
+`ONE_PROCESS` (``--distributed-executor-backend uni``) runs the model in the
+engine's own process instead of a worker process of its own: one Python
+process fewer to import vLLM at start (docs/serving.md, Tests), for servers
+whose test or benchmark does not depend on the process layout users get;
+`ONE_PROCESS_ARGS` is `DEFAULT_ARGS` with it. On CPU, vLLM keeps "uni" only
+with VLLM_ENABLE_V1_MULTIPROCESSING=0 (otherwise it switches to "mp" without
+a word), so a server given it gets that variable too; the API server and the
+engine stay separate processes.
 
     with VllmServer(model_dir, ["--attention-backend", "chunked_kv"]) as server:
         client = server.openai_client()
@@ -41,6 +42,7 @@ from pathlib import Path
 DEFAULT_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", str(64 << 20)]
 ONE_PROCESS = ["--distributed-executor-backend", "uni"]  # the model runs in the engine's process
+ONE_PROCESS_ARGS = [*DEFAULT_ARGS, *ONE_PROCESS]
 # The entry points of pyproject.toml: backend, stat logger, endpoint routes.
 PROJECT_PLUGINS = "chunked_kv,chunked_kv_metrics,chunked_kv_feedback"
 
