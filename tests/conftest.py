@@ -141,3 +141,18 @@ def _load_benchmark(name: str):
 @pytest.fixture(scope="session")
 def load_benchmark():
     return _load_benchmark
+
+
+@pytest.fixture
+def broken_torchvision(tmp_path, monkeypatch):
+    """A torchvision 0.28.0 on the path that fails on import the way a CUDA
+    build does next to torch's CPU build; the error message it raises."""
+    message = "operator torchvision::nms does not exist"
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(f"raise RuntimeError({message!r})\n")
+    (tmp_path / "torchvision-0.28.0.dist-info").mkdir()
+    (tmp_path / "torchvision-0.28.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    return message

@@ -2,7 +2,9 @@
 would run and why the others cannot: on this CPU machine the C++ kernels
 (with their instruction set, flags and library), with the reasons for CUDA
 and Triton, and PyTorch when they are forbidden to build; a forced implementation that cannot run is a
-non-zero exit naming it. The vLLM line compares with the tested release.
+non-zero exit naming it. A torchvision that cannot load next to this torch
+(`vllm serve` would die importing it) is an `error:` line with the fix and a
+non-zero exit. The vLLM line compares with the tested release.
 For FP8 pages (`--kv-cache-dtype`) it names the dtype and the implementations
 that cannot read them, and picks one that can."""
 
@@ -23,6 +25,16 @@ def test_doctor_on_cpu(capsys):
     assert "cannot run" in lines["triton"]
     assert lines["cpp"].startswith("cpp     can run (") and "-fopenmp" in lines["cpp"] and ".so" in lines["cpp"]
     assert out[-1] == "chosen on cpu: cpp"
+
+
+def test_a_torchvision_that_cannot_load_is_named_with_the_fix(capsys, broken_torchvision):
+    from vllm_chunked_kv.runner import companions
+
+    line = (f"error: torchvision 0.28.0 does not load: RuntimeError: {broken_torchvision}: "
+            f"vLLM and transformers cannot start next to it; {companions.FIX}")
+    assert main(["doctor", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [line, "chosen on cpu: cpp"]
 
 
 def test_doctor_without_the_cpp_kernels(capsys, monkeypatch):

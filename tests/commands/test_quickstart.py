@@ -8,7 +8,9 @@
   lies in a pooled chunk, prints the answer, and exits 0 only when the answer
   is the expected one and the server's log shows CHUNKED_KV running;
 - without the model's `config.json` it exits 1 with an `error:` line naming
-  the directory, before starting any server (never a stand-in model);
+  the directory, before starting any server (never a stand-in model); with a
+  torchvision that cannot load next to this torch (`vllm serve` would die
+  importing it) it exits 1 with the fix in one `error:` line, no server;
 - the README's first code block sends the same question with `curl` and shows
   the same answer.
 """
@@ -49,6 +51,15 @@ def test_missing_model_fails_loudly(monkeypatch, tmp_path, capsys):
     assert main(["quickstart"]) == 1  # no server started: conftest refuses `vllm serve` in an unmarked test
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and "config.json" in err
+
+
+def test_a_torchvision_that_cannot_load_stops_it_with_the_fix(capsys, broken_torchvision):
+    from vllm_chunked_kv.runner import companions
+
+    assert main(["quickstart"]) == 1  # no server started: conftest refuses `vllm serve` in an unmarked test
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: torchvision 0.28.0 does not load: RuntimeError: {broken_torchvision}: "
+        f"vLLM and transformers cannot start next to it; {companions.FIX}"]
 
 
 def test_the_question_lies_in_a_pooled_chunk():

