@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -73,9 +72,7 @@ def failures(tiny_llama, sliding_window_model):
         model = sliding_window_model if case == "model sliding window" else tiny_llama
         return run_serve_expecting_failure(model, CHUNKED + CASES[case][0])
 
-    cases = [*CASES, PER_KIND_SPECULATIVE]
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(cases, pool.map(run, cases)))
+    return {case: run(case) for case in [*CASES, PER_KIND_SPECULATIVE]}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -149,11 +149,44 @@ class VllmServer:
         self.stop()
 
 
+# What `vllm serve` imports before it parses its arguments, and the backend:
+# the zygote that runs failing servers holds them (`run_serve_expecting_failure`).
+CLI_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",
+               "vllm.engine.arg_utils", "vllm_chunked_kv.backend.attention")
+
+
 def run_serve_expecting_failure(model: str | Path, args: list[str], timeout: float = 240,
                                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `vllm serve` that should fail at startup (with `env` added to the environment);
-    returns the finished process."""
-    command = [vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
-               *DEFAULT_ARGS, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, start_new_session=True,
-                          env={**os.environ, **(env or {})})
+    """Run `vllm serve` that should fail at startup (with `env` added to the
+    environment); returns the finished run, its whole log as stdout.
+
+    It runs vLLM's command line (`vllm.entrypoints.cli.main`, what the `vllm`
+    command calls) in a fresh child of a process that imported vLLM once
+    (`runner.zygote`), ending as the interpreter ends a script: an uncaught
+    exception goes to `sys.excepthook` (where the backend prints its one
+    `error:` line) with exit status 1, `SystemExit` with its code. A run that
+    does not fail is stopped at `timeout` (subprocess.TimeoutExpired)."""
+    from vllm_chunked_kv.runner import zygote
+
+    argv = [vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
+            *DEFAULT_ARGS, *args]
+    result = zygote.run_forked(f"{__name__}:serve_command", {"argv": argv}, timeout, env, preload=CLI_PRELOAD)
+    return subprocess.CompletedProcess(argv, result["returncode"], stdout=result["log"], stderr="")
+
+
+def serve_command(spec: dict) -> dict:
+    """In a zygote's child: vLLM's command line run with `spec["argv"]`; its exit status."""
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = list(spec["argv"])
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # noqa: BLE001 - the interpreter's own handling of an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    return {"returncode": code}

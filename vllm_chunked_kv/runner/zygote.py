@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -43,6 +44,7 @@ _PRELOAD_ENV = "CHUNKED_KV_ZYGOTE_PRELOAD"
 MAX_ZYGOTES = 2  # each holds vLLM's imports (~0.5 GB)
 
 _zygotes: dict[tuple, subprocess.Popen] = {}
+_lock = threading.Lock()  # one run at a time per calling process: a zygote answers its requests in order
 
 
 def run_forked(target: str, spec: dict, timeout: float | None, env: dict[str, str] | None = None,
@@ -51,6 +53,11 @@ def run_forked(target: str, spec: dict, timeout: float | None, env: dict[str, st
     imported `preload`; the dict it returns plus ``log`` (its stdout and stderr)."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {}),
                 _PRELOAD_ENV: ",".join(preload)}
+    with _lock:
+        return _run(target, spec, timeout, full_env)
+
+
+def _run(target: str, spec: dict, timeout: float | None, full_env: dict[str, str]) -> dict:
     zygote = _zygote(full_env)
     with tempfile.TemporaryDirectory(prefix="chunked-kv-run-") as tmp:
         log, result = Path(tmp) / "log", Path(tmp) / "result.json"
