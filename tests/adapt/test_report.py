@@ -10,6 +10,9 @@
   run's record folder exists;
 - every shipped adapter has its card (a served.json beside it);
 - `--check` says whether a card is up to date, without writing it.
+- A hybrid model's card (gains learned only on the layers that pool, grid
+  origins listed per layer, the sliding-window layers' treatment) names the
+  pooling layers and summarises only their gains.
 - The ADAPT.md that `adapt` writes for a run resumed across processes gives
   the whole run's training time and peak memory, not only its last process's,
   and its time on each machine the steps ran on.
@@ -173,3 +176,27 @@ def test_a_resumed_run_reports_the_time_of_all_its_processes(tmp_path):
     assert ("- the whole run, resumed in 2 processes: 41.0 min of training (1.37 CPU hours), peak resident "
             "memory 3.0 GiB (not counted: 1 steps logged without a clock); by machine: "
             "A: 2 steps, 20.0 min (0.67 CPU hours); B: 2 steps, 21.0 min (0.70 CPU hours)") in card
+
+
+def test_a_hybrid_models_card_summarises_the_layers_that_pool(tmp_path):
+    for name in report.CARD_INPUTS:
+        (tmp_path / name).write_bytes((ADAPTER / name).read_bytes())
+    gains = [[0.25] * 4 for _ in range(18)]
+    gains[5], gains[11], gains[17] = [0.1, 0.6, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.1, 0.5, 0.3, 0.1]
+    meta = json.loads((tmp_path / "adapter.json").read_text())
+    (tmp_path / "adapter.json").write_text(json.dumps({**meta, "slot_gains": gains}))
+    stagger = [[layer % 4] for layer in range(18)]
+    serve = json.loads((tmp_path / "chunked_kv_serve.json").read_text())
+    settings = serve["additional_config"]["chunked_kv"]
+    settings.update(slot_gains=gains, stagger=stagger, sliding_window_layers="window")
+    settings.pop("stagger_groups", None)
+    (tmp_path / "chunked_kv_serve.json").write_text(json.dumps(serve))
+
+    card = report.render_card(tmp_path)
+    assert ("grid origins per layer and KV head `stagger: [[0],[1],[2],[3],[0],[1],[2],[3],[0],[1],[2],[3],[0],[1],"
+            "[2],[3],[0],[1]]`, the model's sliding-window layers `sliding_window_layers: window`, pooling `gated` "
+            "with one set of 4 slot gains per layer (18 layers)") in card
+    assert ("Slot gains learned (`adapter.json`), over the 3 layers that pool (5, 11, 17; the other 15 keep the "
+            "mean: nothing of theirs is pooled):") in card
+    assert "| min | 0.100 | 0.300 | 0.200 | 0.100 |" in card  # the 15 layers at 0.25 left out
+    assert "Slot 1 has the largest gain in 2 of the 3 layers" in card

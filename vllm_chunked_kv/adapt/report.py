@@ -97,8 +97,13 @@ def _ci(pair) -> str:
 def _settings_line(settings: dict, layers: int) -> str:
     line = (f"chunk {settings['chunk_size']} (hop {settings.get('hop', settings['chunk_size'])}), "
             f"window {settings['window']}, {settings['sink_tokens']} sinks")
-    if settings.get("stagger", "none") != "none":
-        line += f", grids staggered `stagger: {settings['stagger']}` in {settings.get('stagger_groups', 2)} groups"
+    stagger = settings.get("stagger", "none")
+    if isinstance(stagger, list):  # explicit origins: one list per layer, one origin per KV head
+        line += f", grid origins per layer and KV head `stagger: {json.dumps(stagger, separators=(',', ':'))}`"
+    elif stagger != "none":
+        line += f", grids staggered `stagger: {stagger}` in {settings.get('stagger_groups', 2)} groups"
+    if "sliding_window_layers" in settings:
+        line += f", the model's sliding-window layers `sliding_window_layers: {settings['sliding_window_layers']}`"
     line += f", pooling `{settings.get('pooling', 'mean')}`"
     gains = settings.get("slot_gains")
     if gains and isinstance(gains[0], list):
@@ -172,8 +177,13 @@ def _last_run(meta: dict, log: list[dict]) -> list[str]:
            f"(CE {mean(first, 'ce'):.3f}), over the last 10 {mean(last, 'loss'):.3f} (CE {mean(last, 'ce'):.3f})."]
     gains = meta.get("slot_gains")
     if gains and isinstance(gains[0], list):
+        learned = [i for i, g in enumerate(gains) if max(g) - min(g) > 1e-6]  # a layer that pools nothing keeps the mean
+        over = f"over the {len(gains)} layers" if len(learned) == len(gains) else (
+            f"over the {len(learned)} layers that pool ({', '.join(map(str, learned))}; the other "
+            f"{len(gains) - len(learned)} keep the mean: nothing of theirs is pooled)")
+        gains = [gains[i] for i in learned]
         slots = list(zip(*gains))
-        out += ["", f"Slot gains learned (`adapter.json`), over the {len(gains)} layers:", "",
+        out += ["", f"Slot gains learned (`adapter.json`), {over}:", "",
                 "| slot | " + " | ".join(str(i) for i in range(len(slots))) + " |",
                 "| --- |" + " --- |" * len(slots)]
         for name, fn in (("min", min), ("mean", lambda s: sum(s) / len(s)), ("max", max)):
