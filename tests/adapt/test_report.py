@@ -12,7 +12,8 @@
 - `--check` says whether a card is up to date, without writing it.
 - A hybrid model's card (gains learned only on the layers that pool, grid
   origins listed per layer, the sliding-window layers' treatment) names the
-  pooling layers and summarises only their gains.
+  pooling layers and summarises only their gains; a run resumed across
+  machines shows what each machine's part cost.
 - The ADAPT.md that `adapt` writes for a run resumed across processes gives
   the whole run's training time and peak memory, not only its last process's,
   and its time on each machine the steps ran on.
@@ -200,3 +201,16 @@ def test_a_hybrid_models_card_summarises_the_layers_that_pool(tmp_path):
             "mean: nothing of theirs is pooled):") in card
     assert "| min | 0.100 | 0.300 | 0.200 | 0.100 |" in card  # the 15 layers at 0.25 left out
     assert "Slot 1 has the largest gain in 2 of the 3 layers" in card
+
+
+def test_a_run_resumed_across_machines_shows_each_part(tmp_path):
+    for name in report.CARD_INPUTS:
+        (tmp_path / name).write_bytes((ADAPTER / name).read_bytes())
+    run = {**SERVED["runs"][-1], "cpu_hours": 9.5, "by_machine": [
+        {"machine": "2 threads of AMD EPYC (AVX2), fp32", "steps": 75, "minutes": 181.0, "cpu_hours": 5.5},
+        {"machine": "2 threads of AMD EPYC (AVX-512 BF16), bf16", "steps": 225, "minutes": 250.0, "cpu_hours": 4.0}]}
+    (tmp_path / "served.json").write_text(json.dumps({**SERVED, "runs": [*SERVED["runs"][:-1], run]}))
+    card = report.render_card(tmp_path)
+    assert (f"Run {len(SERVED['runs'])}, resumed across machines (9.50 CPU hours in all): 2 threads of AMD EPYC "
+            "(AVX2), fp32: 75 steps, 181.0 min, 5.50 CPU hours; 2 threads of AMD EPYC (AVX-512 BF16), bf16: "
+            "225 steps, 250.0 min, 4.00 CPU hours.") in card.splitlines()

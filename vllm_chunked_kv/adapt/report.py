@@ -161,6 +161,11 @@ def _runs(runs: list[dict], model: str) -> list[str]:
         peak = f"{run['peak_gib']:.1f} GiB" if "peak_gib" in run else ""
         out.append(f"| {i} | {run['device']} | {run['steps']} | {run['rows']} | {run['minutes']:.1f} | {peak} "
                    f"| `{run['record']}` |")
+    for i, run in enumerate(runs, 1):
+        if "by_machine" in run:  # a run resumed on several machines: what each part cost
+            parts = "; ".join(f"{m['machine']}: {m['steps']} steps, {m['minutes']:.1f} min, {m['cpu_hours']:.2f} CPU hours"
+                              for m in run["by_machine"])
+            out += ["", f"Run {i}, resumed across machines ({run['cpu_hours']:.2f} CPU hours in all): {parts}."]
     out += ["", "```", f"B=$(vllm-chunked-kv models fetch {model} | tail -1)"]
     for i, run in enumerate(runs, 1):
         out += [f"# {i}. {run['device']}, {run['minutes']:.1f} min", run["command"]]
