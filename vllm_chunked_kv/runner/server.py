@@ -171,7 +171,9 @@ def run_serve_expecting_failure(model: str | Path, args: list[str], timeout: flo
     argv = [vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
             *DEFAULT_ARGS, *args]
     result = zygote.run_forked(f"{__name__}:serve_command", {"argv": argv}, timeout, env, preload=CLI_PRELOAD)
-    return subprocess.CompletedProcess(argv, result["returncode"], stdout=result["log"], stderr="")
+    done = subprocess.CompletedProcess(argv, result["returncode"], stdout=result["log"], stderr="")
+    done.zygote = result["zygote"]  # the pid of the process it was forked from
+    return done
 
 
 def serve_command(spec: dict) -> dict:
@@ -189,4 +191,4 @@ def serve_command(spec: dict) -> dict:
     except BaseException:  # noqa: BLE001 - the interpreter's own handling of an uncaught exception
         sys.excepthook(*sys.exc_info())
         code = 1
-    return {"returncode": code}
+    return {"returncode": code, "zygote": os.getppid()}
