@@ -64,7 +64,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, model_type: str = "llama", bos:
             tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
             quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     except ImportError as exc:  # transformers asks for gguf/accelerate this way
-        raise ModelFetchError(companions.problem() or f"transformers cannot read GGUF here ({exc}): {INSTALL_HINT}") from None
+        raise ModelFetchError(f"transformers cannot read GGUF here ({exc}): {INSTALL_HINT}") from None
 
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
